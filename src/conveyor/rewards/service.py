@@ -1,0 +1,561 @@
+"""The reward service: scores finished responses in parallel, off the calling thread, with timeouts.
+
+A reward function (``RewardFn = (response, sample) -> float``) is user code that can raise, hang,
+or return garbage. :class:`RewardService` turns every one of those into a failed
+:class:`RewardResult` (score = the configured failure score) instead of an exception in the
+rollout loop, counts it in :attr:`RewardService.stats` and logs it.
+
+Why worker *processes* by default (``backend="process"``): a timeout must be able to stop a
+CPU-bound hang, and a thread cannot be stopped. Worse, a hang inside C code that holds the GIL
+freezes every thread of the process: ``math_verify.verify`` on the model output
+``\\boxed{9^{9^{9^{9}}}}`` computes a ~370-million-digit integer and, run in a thread, froze the
+whole interpreter (event loop and watchdogs included) for over 40 s in our tests. A worker
+process that overruns its ``timeout_s`` is killed (SIGKILL) and replaced. The cost: the reward
+function and its arguments must be picklable (a module-level function or an import path string,
+not a lambda or closure) and each worker start imports the reward module (about 0.5 s for the
+built-in math rewards; it happens in the background, once per worker and after each kill, and is
+not counted in the timeout).
+
+``backend="thread"`` runs the function in threads instead (for unpicklable functions, e.g. a
+closure over an HTTP client for an LLM judge, whose time is spent waiting on I/O). A timed-out
+call's thread cannot be killed: it is abandoned (it exits when the call eventually returns) and a
+fresh thread takes its slot, so stuck calls never exhaust the pool; ``stats["abandoned_threads"]``
+counts the abandoned threads still running. A GIL-holding hang still freezes the process in this
+backend.
+
+Dispatch: ``max_workers`` dispatcher threads take calls from one queue in order; each owns one
+worker (process or thread). The timeout clock starts when the worker receives the call, so time
+spent waiting in the queue never counts as a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import multiprocessing
+import numbers
+import pickle
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from conveyor.rewards.math import RewardFn, load_reward_fn
+from conveyor.types import Sample
+
+logger = logging.getLogger(__name__)
+
+Backend = Literal["process", "thread"]
+_START_METHODS = ("spawn", "forkserver", "fork")
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """The outcome of one reward call.
+
+    Attributes:
+        score: The reward (the function's return value as a float), or the service's
+            ``failure_score`` when the call failed.
+        failed: True when the function raised, timed out, returned a non-numeric or non-finite
+            value, its worker died, or the service was closed before the call ran.
+        error: A one-line description of the failure (exception type and message, ``"timeout
+            after 0.2 s"``, ...); None on success.
+        elapsed_s: Seconds the reward function ran (from hand-over to the worker until its
+            answer or the timeout), excluding time spent waiting in the queue or for a worker
+            process to start.
+    """
+
+    score: float
+    failed: bool
+    error: str | None
+    elapsed_s: float
+
+
+def _describe(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    return text if len(text) <= 500 else text[:497] + "..."
+
+
+def _invoke(fn: RewardFn, response: str, sample: Sample) -> tuple[str, Any]:
+    """Run ``fn`` and classify the outcome as ``("ok", float)``, ``("invalid", str)`` or
+    ``("error", str)``; never raises."""
+    try:
+        value = fn(response, sample)
+    except BaseException as exc:  # noqa: BLE001 - SystemExit from user code is a failure too
+        logger.debug("reward function raised", exc_info=True)
+        return "error", _describe(exc) + "\n" + traceback.format_exc(limit=-3)
+    if isinstance(value, numbers.Real):
+        return "ok", float(value)
+    return (
+        "invalid",
+        f"reward function returned {type(value).__name__} {value!r:.100}, not a number",
+    )
+
+
+# --------------------------------------------------------------------------- process workers
+
+
+def _child_main(conn: Any, payload: bytes | str) -> None:
+    """Entry point of a worker process: load the reward function, then serve calls until EOF."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
+    try:
+        fn = load_reward_fn(payload) if isinstance(payload, str) else pickle.loads(payload)
+    except BaseException as exc:  # noqa: BLE001
+        conn.send(("start_error", _describe(exc)))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        reply = _invoke(fn, *msg)
+        try:
+            conn.send(reply)
+        except (OSError, ValueError):
+            return
+
+
+class _WorkerStartError(RuntimeError):
+    pass
+
+
+class _ProcessWorker:
+    """One worker process, restarted after a timeout or a crash."""
+
+    def __init__(self, payload: bytes | str, ctx: Any, start_timeout_s: float, name: str):
+        self._payload = payload
+        self._ctx = ctx
+        self._start_timeout_s = start_timeout_s
+        self._name = name
+        self._proc: Any = None
+        self._conn: Any = None
+        self.restarts = 0
+
+    def ensure_started(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            return
+        self._kill()
+        parent_conn, child_conn = self._ctx.Pipe()
+        proc = self._ctx.Process(
+            target=_child_main, args=(child_conn, self._payload), name=self._name, daemon=True
+        )
+        proc.start()
+        child_conn.close()
+        self._proc, self._conn = proc, parent_conn
+        try:
+            if not parent_conn.poll(self._start_timeout_s):
+                raise _WorkerStartError(
+                    f"reward worker process not ready within {self._start_timeout_s} s"
+                )
+            kind, detail = parent_conn.recv()
+        except (EOFError, OSError) as exc:
+            proc.join(1.0)
+            self._kill()
+            raise _WorkerStartError(
+                f"reward worker process exited while starting (exit code {proc.exitcode})"
+            ) from exc
+        except _WorkerStartError:
+            self._kill()
+            raise
+        if kind != "ready":
+            self._kill()
+            raise _WorkerStartError(f"reward worker could not load the reward function: {detail}")
+
+    def run(self, response: str, sample: Sample, timeout_s: float) -> tuple[str, Any, float]:
+        self.ensure_started()
+        t0 = time.monotonic()
+        try:
+            self._conn.send((response, sample))
+        except Exception as exc:  # pickling error: nothing was written, the worker is fine
+            return "error", f"could not send the call to the worker: {_describe(exc)}", 0.0
+        if not self._conn.poll(timeout_s):
+            self._kill()
+            self.restarts += 1
+            return (
+                "timeout",
+                f"timeout after {timeout_s:g} s (worker process killed)",
+                time.monotonic() - t0,
+            )
+        try:
+            kind, detail = self._conn.recv()
+        except (EOFError, OSError):
+            code = self._proc.exitcode if self._proc is not None else None
+            self._kill()
+            self.restarts += 1
+            return "error", f"reward worker process died (exit code {code})", time.monotonic() - t0
+        return kind, detail, time.monotonic() - t0
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._proc.join(5.0)
+            self._proc = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.send(None)
+            except (OSError, ValueError):
+                pass
+        if self._proc is not None:
+            self._proc.join(0.5)
+        self._kill()
+
+
+# --------------------------------------------------------------------------- thread workers
+
+
+class _Box:
+    __slots__ = ("done", "outcome")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.outcome: tuple[str, Any] = ("error", "no outcome")
+
+
+def _helper_loop(fn: RewardFn, inbox: queue.SimpleQueue) -> None:
+    while True:
+        item = inbox.get()
+        if item is None:
+            return
+        response, sample, box = item
+        box.outcome = _invoke(fn, response, sample)
+        box.done.set()
+
+
+class _ThreadWorker:
+    """One helper thread; on a timeout it is abandoned and replaced by a fresh one."""
+
+    def __init__(self, fn: RewardFn, name: str):
+        self._fn = fn
+        self._name = name
+        self.abandoned: list[threading.Thread] = []  # rebound, never mutated: safe to read
+        self._thread: threading.Thread | None = None
+        self._inbox: queue.SimpleQueue | None = None
+
+    def ensure_started(self) -> None:
+        if self._thread is None:
+            self._inbox = queue.SimpleQueue()
+            self._thread = threading.Thread(
+                target=_helper_loop, args=(self._fn, self._inbox), name=self._name, daemon=True
+            )
+            self._thread.start()
+
+    def run(self, response: str, sample: Sample, timeout_s: float) -> tuple[str, Any, float]:
+        self.ensure_started()
+        assert self._inbox is not None and self._thread is not None
+        box = _Box()
+        t0 = time.monotonic()
+        self._inbox.put((response, sample, box))
+        if box.done.wait(timeout_s):
+            kind, detail = box.outcome
+            return kind, detail, time.monotonic() - t0
+        # Abandon the stuck thread: it exits by itself once the call returns.
+        self._inbox.put(None)
+        self.abandoned = [t for t in self.abandoned if t.is_alive()] + [self._thread]
+        self._thread, self._inbox = None, None
+        return "timeout", f"timeout after {timeout_s:g} s (thread abandoned)", time.monotonic() - t0
+
+    def close(self) -> None:
+        if self._inbox is not None:
+            self._inbox.put(None)
+        self._thread, self._inbox = None, None
+
+
+# --------------------------------------------------------------------------- the service
+
+
+class _Call:
+    __slots__ = ("response", "sample", "future")
+
+    def __init__(self, response: str, sample: Sample):
+        self.response = response
+        self.sample = sample
+        self.future: Future[RewardResult] = Future()
+
+
+class RewardService:
+    """Runs a reward function with timeouts and failure handling, in parallel workers.
+
+    See the module docstring for the process / thread backends. Use as a context manager or call
+    :meth:`close`.
+
+    Args:
+        reward_fn: The reward function ``(response, sample) -> float``, or a name / import path
+            accepted by :func:`conveyor.rewards.load_reward_fn` (``"math"``,
+            ``"pkg.module:function"``).
+        timeout_s: Seconds one call may run before it fails with a timeout (> 0).
+        failure_score: The score reported for a failed call (finite).
+        max_workers: Number of calls run at the same time (>= 1).
+        backend: ``"process"`` (default; killable, needs a picklable function) or ``"thread"``.
+        start_method: multiprocessing start method for the process backend (``"spawn"``, the
+            default, is safe in a process that already runs threads; ``"forkserver"``, ``"fork"``).
+        start_timeout_s: Seconds a worker process may take to start and load the function (> 0).
+
+    Raises:
+        ValueError: If a numeric argument, ``backend`` or ``start_method`` is invalid (the
+            message names the argument), or ``reward_fn`` is a path that cannot be loaded.
+        TypeError: If ``reward_fn`` is not callable, or (process backend) cannot be pickled.
+    """
+
+    def __init__(
+        self,
+        reward_fn: RewardFn | str,
+        *,
+        timeout_s: float = 10.0,
+        failure_score: float = 0.0,
+        max_workers: int = 2,
+        backend: Backend = "process",
+        start_method: str = "spawn",
+        start_timeout_s: float = 120.0,
+    ):
+        _check_positive("timeout_s", timeout_s)
+        _check_positive("start_timeout_s", start_timeout_s)
+        if (
+            isinstance(failure_score, bool)
+            or not isinstance(failure_score, int | float)
+            or not math.isfinite(failure_score)
+        ):
+            raise ValueError(f"failure_score must be a finite number, got {failure_score!r}")
+        if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
+            raise ValueError(f"max_workers must be an int >= 1, got {max_workers!r}")
+        if backend not in ("process", "thread"):
+            raise ValueError(f"backend must be 'process' or 'thread', got {backend!r}")
+        if start_method not in _START_METHODS:
+            raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}")
+        path = reward_fn if isinstance(reward_fn, str) else None
+        fn = load_reward_fn(reward_fn) if isinstance(reward_fn, str) else reward_fn
+        if not callable(fn):
+            raise TypeError(
+                f"reward_fn must be callable or an import path, got {type(fn).__name__}"
+            )
+
+        self.reward_fn: RewardFn = fn
+        self.timeout_s = float(timeout_s)
+        self.failure_score = float(failure_score)
+        self.max_workers = max_workers
+        self.backend: Backend = backend
+        self._lock = threading.Lock()
+        self._counts = {
+            "calls": 0,
+            "failures": 0,
+            "timeouts": 0,
+            "exceptions": 0,
+            "invalid": 0,
+            "cancelled": 0,
+        }
+        self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._closed = False
+
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        if backend == "process":
+            if path is not None:
+                payload: bytes | str = path
+            else:
+                try:
+                    payload = pickle.dumps(fn)
+                except Exception as exc:
+                    raise TypeError(
+                        f"reward_fn {name!r} cannot be pickled for the process backend "
+                        f"({_describe(exc)}); use a module-level function, an import path "
+                        "string, or backend='thread'"
+                    ) from exc
+            ctx = multiprocessing.get_context(start_method)
+            self._workers: list[Any] = [
+                _ProcessWorker(payload, ctx, start_timeout_s, f"reward-{name}-{i}")
+                for i in range(max_workers)
+            ]
+        else:
+            self._workers = [_ThreadWorker(fn, f"reward-{name}-{i}") for i in range(max_workers)]
+        self._dispatchers = [
+            threading.Thread(
+                target=self._dispatch_loop, args=(w,), name=f"reward-dispatch-{i}", daemon=True
+            )
+            for i, w in enumerate(self._workers)
+        ]
+        for t in self._dispatchers:
+            t.start()
+
+    # ------------------------------------------------------------------ public API
+
+    async def score(self, response: str, sample: Sample) -> RewardResult:
+        """Score one response without blocking the event loop.
+
+        Args:
+            response: The response text.
+            sample: The sample it answers.
+
+        Returns:
+            The :class:`RewardResult`; reward-function failures are reported in it, never raised.
+
+        Raises:
+            TypeError: If ``response`` is not a str or ``sample`` not a :class:`Sample`.
+            RuntimeError: If the service is closed.
+        """
+        return await asyncio.wrap_future(self._submit(response, sample))
+
+    def score_sync(self, response: str, sample: Sample) -> RewardResult:
+        """Score one response, blocking the calling thread (at most about ``timeout_s`` plus
+        queue and worker start-up time).
+
+        Args and Returns and Raises: as :meth:`score`.
+        """
+        return self._submit(response, sample).result()
+
+    def score_many(self, items: Iterable[tuple[str, Sample]]) -> list[RewardResult]:
+        """Score many ``(response, sample)`` pairs in parallel (``max_workers`` at a time).
+
+        Args:
+            items: The pairs to score.
+
+        Returns:
+            One :class:`RewardResult` per pair, in input order.
+
+        Raises:
+            TypeError: If an item is not a ``(str, Sample)`` pair (the message gives its index).
+            RuntimeError: If the service is closed.
+        """
+        pairs = list(items)
+        for i, item in enumerate(pairs):
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise TypeError(f"items[{i}] must be a (response, sample) tuple, got {item!r:.100}")
+            _check_call_args(item[0], item[1], where=f"items[{i}]")
+        futures = [self._submit(r, s) for r, s in pairs]
+        return [f.result() for f in futures]
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters since construction: ``calls`` (finished calls), ``failures`` (= timeouts +
+        exceptions + invalid + cancelled), ``timeouts``, ``exceptions`` (raised, or worker died),
+        ``invalid`` (non-numeric or non-finite return), ``cancelled`` (dropped by :meth:`close`),
+        ``worker_restarts`` (process backend: workers killed after a timeout or crash) and
+        ``abandoned_threads`` (thread backend: timed-out threads still running)."""
+        with self._lock:
+            out = dict(self._counts)
+        out["worker_restarts"] = sum(getattr(w, "restarts", 0) for w in self._workers)
+        out["abandoned_threads"] = sum(
+            t.is_alive() for w in self._workers for t in getattr(w, "abandoned", ())
+        )
+        return out
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the service. Calls still queued finish as failed (``"service closed"``); calls
+        already running finish normally (each within ``timeout_s``). Idempotent.
+
+        Args:
+            wait: Block until the running calls are done and the workers are stopped
+                (at most about ``timeout_s`` + 6 s).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        while True:
+            try:
+                call = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if call is not None and call.future.set_running_or_notify_cancel():
+                call.future.set_result(self._result(call, "cancelled", "service closed", 0.0))
+        for _ in self._dispatchers:
+            self._queue.put(None)
+        if wait:
+            for t in self._dispatchers:
+                t.join(self.timeout_s + 6.0)
+
+    def __enter__(self) -> RewardService:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _submit(self, response: str, sample: Sample) -> Future[RewardResult]:
+        _check_call_args(response, sample)
+        call = _Call(response, sample)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("RewardService is closed")
+            self._queue.put(call)
+        return call.future
+
+    def _dispatch_loop(self, worker: Any) -> None:
+        try:
+            worker.ensure_started()
+        except Exception:  # reported on the first call, which retries the start
+            logger.warning("reward worker failed to start", exc_info=True)
+        while True:
+            call = self._queue.get()
+            if call is None:
+                worker.close()
+                return
+            if not call.future.set_running_or_notify_cancel():
+                continue  # cancelled while queued (e.g. its asyncio task was cancelled)
+            try:
+                kind, detail, elapsed = worker.run(call.response, call.sample, self.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - e.g. the worker could not start
+                kind, detail, elapsed = "error", _describe(exc), 0.0
+            call.future.set_result(self._result(call, kind, detail, elapsed))
+            if not self._closed:
+                try:  # restart a killed worker now rather than on the next call
+                    worker.ensure_started()
+                except Exception:
+                    logger.warning("reward worker failed to restart", exc_info=True)
+
+    def _result(self, call: _Call, kind: str, detail: Any, elapsed: float) -> RewardResult:
+        if kind == "ok" and not math.isfinite(detail):
+            kind, detail = "invalid", f"reward function returned a non-finite value ({detail})"
+        counter = {
+            "ok": None,
+            "timeout": "timeouts",
+            "invalid": "invalid",
+            "cancelled": "cancelled",
+        }.get(kind, "exceptions")
+        with self._lock:
+            self._counts["calls"] += 1
+            if counter is not None:
+                self._counts["failures"] += 1
+                self._counts[counter] += 1
+        if counter is None:
+            return RewardResult(score=float(detail), failed=False, error=None, elapsed_s=elapsed)
+        message = str(detail)
+        logger.warning(
+            "reward %s for sample %r after %.3f s: %s", counter, call.sample.id, elapsed, message
+        )
+        first_line = message.splitlines()[0] if message else counter
+        return RewardResult(
+            score=self.failure_score, failed=True, error=first_line, elapsed_s=elapsed
+        )
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise ValueError(f"{name} must be a finite number > 0 (seconds), got {value!r}")
+
+
+def _check_call_args(response: Any, sample: Any, where: str = "") -> None:
+    prefix = f"{where}: " if where else ""
+    if not isinstance(response, str):
+        raise TypeError(f"{prefix}response must be a str, got {type(response).__name__}")
+    if not isinstance(sample, Sample):
+        raise TypeError(
+            f"{prefix}sample must be a conveyor.types.Sample, got {type(sample).__name__}"
+        )

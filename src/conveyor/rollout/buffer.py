@@ -1,0 +1,288 @@
+"""Buffer of finished trajectory groups between rollout and trainer (MISSION.md section 1).
+
+AReaL (arXiv 2505.24298) keeps finished trajectories in a buffer from which the trainer takes
+the oldest ones that are still within the staleness bound, each used once. conveyor keeps a
+group (all responses to one prompt) together: groups enter, wait and leave as a unit, so that
+group-relative advantages (GRPO-style) always see complete groups.
+
+Staleness of a trajectory is measured from its oldest response token
+(``Trajectory.oldest_version``, MISSION.md section 1); a group is as old as its oldest
+trajectory. At trainer version ``v`` a group is stale when its age is ``< v - eta``.
+
+Synchronous and thread-safe (one ``threading.Condition``); the asyncio controller wraps it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable, Sequence
+
+from conveyor.types import Trajectory
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    """Return ``value`` if it is an ``int`` (not ``bool``) >= ``minimum``, else raise ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def group_version(group: Sequence[Trajectory]) -> int:
+    """Age of a group: the oldest policy version among all its response tokens.
+
+    Trajectories with an empty response carry no version and are ignored (their
+    ``oldest_version`` of ``-1`` would otherwise mark every such group as maximally stale).
+
+    Args:
+        group: Trajectories of one prompt (non-empty).
+
+    Returns:
+        A policy version (>= 0).
+
+    Raises:
+        ValueError: if no trajectory of the group has a response token (field ``versions``).
+    """
+    ages = [t.oldest_version for t in group if t.versions]
+    if not ages:
+        raise ValueError(
+            "group has no response tokens in any trajectory (all `versions` empty); "
+            "its staleness cannot be measured"
+        )
+    return min(ages)
+
+
+class TrajectoryBuffer:
+    """Holds finished groups; hands out the oldest groups still within the staleness bound.
+
+    Rules (MISSION.md section 1; AReaL arXiv 2505.24298):
+
+    - Staleness is measured from a trajectory's oldest token; a group's age is that of its
+      oldest trajectory (:func:`group_version`).
+    - At trainer version ``v``, every group with age ``< v - eta`` is dropped (never handed
+      out) and counted in ``stats()["dropped_stale"]`` (trajectories) and
+      ``stats()["dropped_stale_groups"]``. ``eta = None`` never drops.
+    - :meth:`get_batch` hands out the oldest groups first (by age, then insertion order);
+      each trajectory is handed out at most once.
+
+    Args:
+        eta: Maximum staleness in policy versions (>= 0), or None for unbounded.
+        on_drop: Optional callback given the number of trajectories dropped as stale, called
+            (outside the buffer's lock) after each drop; pass ``StalenessManager.on_drop`` so
+            that dropped trajectories free admission capacity.
+
+    Raises:
+        ValueError: if ``eta`` is not None and not an int >= 0 (field ``eta``).
+    """
+
+    def __init__(self, eta: int | None, on_drop: Callable[[int], None] | None = None) -> None:
+        self._eta = None if eta is None else _check_int("eta", eta, 0)
+        if on_drop is not None and not callable(on_drop):
+            raise ValueError(f"on_drop must be callable or None, got {on_drop!r}")
+        self._on_drop = on_drop
+        self._cond = threading.Condition(threading.Lock())
+        # Sorted by (age, insertion sequence); sequence numbers are unique, so the group list
+        # itself is never compared.
+        self._groups: list[tuple[int, int, list[Trajectory]]] = []
+        self._seq = 0
+        self._size = 0
+        self._stats = {
+            "put_groups": 0,
+            "put_trajectories": 0,
+            "handed_out": 0,
+            "dropped_stale": 0,
+            "dropped_stale_groups": 0,
+            "drained": 0,
+        }
+
+    @property
+    def eta(self) -> int | None:
+        """Maximum staleness in policy versions; None = never drop."""
+        return self._eta
+
+    # ---------------------------------------------------------------- input
+    def put(self, traj_or_group: Trajectory | Sequence[Trajectory]) -> None:
+        """Add one group (a list of trajectories of one prompt) or a single trajectory.
+
+        A single :class:`~conveyor.types.Trajectory` is stored as a group of one. Wakes
+        :meth:`wait_for` callers.
+
+        Raises:
+            TypeError: if the argument or one of its items is not a ``Trajectory``.
+            ValueError: if the group is empty, a trajectory's ``versions`` length differs from
+                its ``response_ids`` length, a version is negative, or no trajectory has a
+                response token.
+        """
+        if isinstance(traj_or_group, Trajectory):
+            group = [traj_or_group]
+        elif isinstance(traj_or_group, (list, tuple)):
+            group = list(traj_or_group)
+        else:
+            raise TypeError(
+                f"put() takes a Trajectory or a list of Trajectory, got {type(traj_or_group).__name__}"
+            )
+        if not group:
+            raise ValueError("put() got an empty group")
+        for i, t in enumerate(group):
+            if not isinstance(t, Trajectory):
+                raise TypeError(f"group[{i}] is a {type(t).__name__}, not a Trajectory")
+            if len(t.versions) != len(t.response_ids):
+                raise ValueError(
+                    f"group[{i}].versions has length {len(t.versions)} but response_ids has "
+                    f"length {len(t.response_ids)}"
+                )
+            if t.versions and min(t.versions) < 0:
+                raise ValueError(
+                    f"group[{i}].versions contains a negative version {min(t.versions)}"
+                )
+        age = group_version(group)
+        with self._cond:
+            bisect.insort(self._groups, (age, self._seq, group))
+            self._seq += 1
+            self._size += len(group)
+            self._stats["put_groups"] += 1
+            self._stats["put_trajectories"] += len(group)
+            self._cond.notify_all()
+
+    # ---------------------------------------------------------------- output
+    def drop_stale(self, current_version: int) -> int:
+        """Drop every group with age ``< current_version - eta``; return trajectories dropped.
+
+        Raises:
+            ValueError: if ``current_version`` is not an int >= 0.
+        """
+        _check_int("current_version", current_version, 0)
+        with self._cond:
+            dropped = self._drop_stale_locked(current_version)
+        self._notify_drop(dropped)
+        return dropped
+
+    def get_batch(self, n_trajectories: int, current_version: int) -> list[Trajectory] | None:
+        """Hand out exactly ``n_trajectories`` trajectories from the oldest fresh groups, or None.
+
+        First drops stale groups (as :meth:`drop_stale`). Then walks the groups oldest first
+        (by age, then insertion order) and takes each whole group that still fits
+        (``total + len(group) <= n_trajectories``), skipping a group that would overflow.
+        Groups are never split. If the taken groups add up to exactly ``n_trajectories`` they
+        are removed and returned (flattened, oldest group first); otherwise nothing is removed
+        and None is returned (not enough yet, or no combination of whole groups makes exactly
+        ``n``). When every group size divides ``n_trajectories`` (the usual case: fixed group
+        size ``G`` and ``B`` a multiple of ``G``) this is exactly oldest-first.
+
+        Args:
+            n_trajectories: Batch size in trajectories (>= 1).
+            current_version: The trainer's policy version (>= 0), for the staleness check.
+
+        Returns:
+            The batch (each trajectory handed out once, ever), or None.
+
+        Raises:
+            ValueError: naming the field if an argument is not an int in range.
+        """
+        _check_int("n_trajectories", n_trajectories, 1)
+        _check_int("current_version", current_version, 0)
+        batch: list[Trajectory] | None = None
+        with self._cond:
+            dropped = self._drop_stale_locked(current_version)
+            taken: list[int] = []
+            total = 0
+            if self._size >= n_trajectories:
+                for idx, (_, _, group) in enumerate(self._groups):
+                    if total + len(group) <= n_trajectories:
+                        taken.append(idx)
+                        total += len(group)
+                        if total == n_trajectories:
+                            break
+            if total == n_trajectories:
+                batch = [t for idx in taken for t in self._groups[idx][2]]
+                for idx in reversed(taken):
+                    del self._groups[idx]
+                self._size -= total
+                self._stats["handed_out"] += total
+        self._notify_drop(dropped)
+        return batch
+
+    def drain(self) -> list[list[Trajectory]]:
+        """Remove and return every buffered group, oldest first (e.g. to checkpoint them).
+
+        Nothing is dropped for staleness here; put the groups back after a resume and the next
+        :meth:`get_batch` applies the bound. Counted in ``stats()["drained"]`` (trajectories).
+        """
+        with self._cond:
+            groups = [g for _, _, g in self._groups]
+            self._stats["drained"] += self._size
+            self._groups.clear()
+            self._size = 0
+            return groups
+
+    def snapshot(self) -> list[list[Trajectory]]:
+        """Every buffered group, oldest first, without removing anything (for checkpointing).
+
+        The outer and group lists are new; the ``Trajectory`` objects are the buffered ones
+        (not deep-copied), so serialise them before mutating. Nothing is dropped for staleness.
+        """
+        with self._cond:
+            return [list(g) for _, _, g in self._groups]
+
+    # ---------------------------------------------------------------- waiting and stats
+    def size(self) -> int:
+        """Number of buffered trajectories (not groups)."""
+        with self._cond:
+            return self._size
+
+    def num_groups(self) -> int:
+        """Number of buffered groups."""
+        with self._cond:
+            return len(self._groups)
+
+    def wait_for(self, n: int, timeout: float | None = None) -> bool:
+        """Block until at least ``n`` trajectories are buffered, or ``timeout`` seconds pass.
+
+        A True result does not guarantee that :meth:`get_batch` succeeds (stale groups may be
+        dropped, or group sizes may not add up to the batch size).
+
+        Args:
+            n: Trajectories to wait for (>= 1).
+            timeout: Seconds (>= 0), or None to wait indefinitely.
+
+        Returns:
+            True if ``size() >= n`` when it returns, False on timeout.
+
+        Raises:
+            ValueError: if ``n`` is not an int >= 1 or ``timeout`` is negative.
+        """
+        _check_int("n", n, 1)
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
+        with self._cond:
+            return self._cond.wait_for(lambda: self._size >= n, timeout=timeout)
+
+    def stats(self) -> dict[str, int]:
+        """Counters: ``groups`` and ``trajectories`` buffered now; cumulative ``put_groups``,
+        ``put_trajectories``, ``handed_out``, ``dropped_stale`` (trajectories),
+        ``dropped_stale_groups`` and ``drained`` (trajectories)."""
+        with self._cond:
+            return {"groups": len(self._groups), "trajectories": self._size, **self._stats}
+
+    # ---------------------------------------------------------------- internals
+    def _drop_stale_locked(self, current_version: int) -> int:
+        """Drop stale groups (lock held); return the number of trajectories dropped."""
+        if self._eta is None:
+            return 0
+        threshold = current_version - self._eta
+        # Groups are sorted by age, so the stale ones form a prefix.
+        cut = bisect.bisect_left(self._groups, threshold, key=lambda e: e[0])
+        if cut == 0:
+            return 0
+        dropped = sum(len(g) for _, _, g in self._groups[:cut])
+        del self._groups[:cut]
+        self._size -= dropped
+        self._stats["dropped_stale"] += dropped
+        self._stats["dropped_stale_groups"] += cut
+        return dropped
+
+    def _notify_drop(self, dropped: int) -> None:
+        if dropped and self._on_drop is not None:
+            self._on_drop(dropped)

@@ -1,0 +1,340 @@
+"""The rollout controller: keeps the engine busy under the staleness bound (MISSION.md section 1).
+
+It runs an asyncio event loop in its own thread. Whenever AReaL's capacity rule
+(:class:`~conveyor.rollout.staleness.StalenessManager`) allows, it takes the next sample from the
+:class:`DataStream`, runs the workflow's episode, and puts accepted groups into the
+:class:`~conveyor.rollout.buffer.TrajectoryBuffer`. Units: the staleness manager counts
+trajectories; an episode of ``group_size`` responses occupies ``group_size`` units.
+
+It never touches the trainer; the runtime tells it the published policy version with
+:meth:`RolloutController.set_version` after each weight update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+from conveyor.rollout.buffer import TrajectoryBuffer
+from conveyor.rollout.staleness import StalenessManager
+from conveyor.rollout.workflow import RolloutWorkflow
+from conveyor.types import Sample, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class DataStream:
+    """Endless, seeded pass over a data set: each epoch is a fresh permutation.
+
+    State (for checkpoints): ``epoch``, ``pos`` (next index into the epoch's permutation) and
+    ``requeue`` (sample indices to serve first, e.g. episodes that were in flight at a checkpoint).
+
+    Args:
+        samples: The training samples (non-empty).
+        seed: Permutation seed (epoch ``e`` uses ``seed + e``).
+
+    Raises:
+        ValueError: empty ``samples``.
+    """
+
+    def __init__(self, samples: list[Sample], seed: int = 0):
+        if not samples:
+            raise ValueError("DataStream: the training data set is empty")
+        self.samples = samples
+        self.seed = seed
+        self.epoch = 0
+        self.pos = 0
+        self.requeue: list[int] = []
+        self._perm = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        perm = list(range(len(self.samples)))
+        random.Random(self.seed + epoch).shuffle(perm)
+        return perm
+
+    def next(self) -> tuple[int, Sample]:
+        """The next ``(index, sample)``."""
+        if self.requeue:
+            i = self.requeue.pop(0)
+            return i, self.samples[i]
+        if self.pos >= len(self._perm):
+            self.epoch += 1
+            self.pos = 0
+            self._perm = self._permutation(self.epoch)
+        i = self._perm[self.pos]
+        self.pos += 1
+        return i, self.samples[i]
+
+    def state_dict(self) -> dict:
+        """``{"epoch", "pos", "requeue"}`` (plain ints)."""
+        return {"epoch": self.epoch, "pos": self.pos, "requeue": list(self.requeue)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.epoch = int(state["epoch"])
+        self.pos = int(state["pos"])
+        self.requeue = [int(i) for i in state.get("requeue", [])]
+        self._perm = self._permutation(self.epoch)
+
+
+@dataclass
+class ControllerStats:
+    """Cumulative counters of the controller (all counts are episodes / groups unless noted)."""
+
+    episodes_started: int = 0
+    episodes_accepted: int = 0
+    episodes_rejected: int = 0
+    episodes_failed: int = 0
+    groups_filtered: int = 0
+    filter_cap_hits: int = 0
+    reward_failures: int = 0  # trajectories
+    trajectories_accepted: int = 0
+    last_error: str | None = None
+    finished: list[Trajectory] = field(default_factory=list, repr=False)
+
+
+class RolloutController:
+    """Runs episodes continuously under the staleness bound.
+
+    Args:
+        engine: A started inference engine (``async generate``).
+        workflow: The episode logic (:class:`~conveyor.rollout.workflow.RolloutWorkflow`).
+        data: The sample stream.
+        staleness: Admission control (counts trajectories).
+        buffer: Where accepted groups go.
+        group_size: Trajectories per episode (units taken from ``staleness`` per episode).
+        filter_all_equal: Dynamic filtering (DAPO, arXiv 2503.14476): reject groups whose rewards
+            are all equal (no learning signal under GRPO). Never hangs: after
+            ``max_filtered_in_a_row`` consecutive filtered groups the next one is accepted
+            anyway and ``filter_cap_hits`` is incremented and logged.
+        version: The published policy version at start.
+    """
+
+    def __init__(self, engine, workflow: RolloutWorkflow, data: DataStream, staleness: StalenessManager, buffer: TrajectoryBuffer, *, group_size: int, filter_all_equal: bool = False, max_filtered_in_a_row: int = 64, version: int = 0):
+        self.engine = engine
+        self.workflow = workflow
+        self.data = data
+        self.staleness = staleness
+        self.buffer = buffer
+        self.group_size = group_size
+        self.filter_all_equal = filter_all_equal
+        self.max_filtered_in_a_row = max_filtered_in_a_row
+        self.stats = ControllerStats()
+        self._version = version
+        self._filtered_in_a_row = 0
+        self._inflight: dict[int, int] = {}  # episode id -> sample index
+        self._episode_ids = 0
+        self._lock = threading.Lock()  # guards data cursor, in-flight set and buffer puts vs. snapshots
+        self._paused = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------ control
+    def start(self) -> None:
+        """Start the controller thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._main, name="conveyor-rollout", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop admitting episodes and join the thread. In-flight episodes are cancelled; their
+        samples stay in the checkpointable in-flight list."""
+        self._stop.set()
+        self._poke()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def set_version(self, version: int) -> None:
+        """Publish the policy version the engine now runs (after a weight update)."""
+        self._version = version
+        self._poke()
+
+    def pause(self) -> None:
+        """Admit no new episodes until :meth:`resume` (running ones continue)."""
+        self._paused.set()
+
+    def resume(self) -> None:
+        """Undo :meth:`pause`."""
+        self._paused.clear()
+        self._poke()
+
+    @property
+    def version(self) -> int:
+        """The published policy version."""
+        return self._version
+
+    def _poke(self) -> None:
+        if self._loop is not None and self._wake is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._wake.set)
+            except RuntimeError:  # loop closed
+                pass
+
+    # ------------------------------------------------------------------ checkpoint
+    def snapshot(self) -> dict:
+        """A consistent checkpointable state: data cursor with in-flight samples re-queued first,
+        buffered groups (copied, not removed), staleness counters and controller stats.
+
+        Trajectories of episodes in flight now are not saved; their samples are re-queued, so
+        after a resume they are generated again (never trained twice, never skipped).
+        """
+        with self._lock:
+            data_state = self.data.state_dict()
+            data_state["requeue"] = list(self._inflight.values()) + data_state["requeue"]
+            groups = self.buffer.snapshot()
+            st = {k: v for k, v in self.stats.__dict__.items() if k != "finished"}
+            return {
+                "data": data_state,
+                "buffer": groups,
+                "staleness": self.staleness.state_dict(),
+                "stats": st,
+            }
+
+    def restore(self, state: dict, version: int) -> None:
+        """Restore :meth:`snapshot` output before :meth:`start` (resume at trainer ``version``):
+        re-queues samples, puts buffered groups back and resets the accepted count to
+        ``version * B + buffered`` (MISSION.md section 1)."""
+        self.data.load_state_dict(state["data"])
+        self.staleness.load_state_dict(state["staleness"])
+        buffered = 0
+        for g in state["buffer"]:
+            self.buffer.put(g)
+            buffered += len(g)
+        self.staleness.reset_after_resume(version, buffered=buffered)
+        for k, v in state.get("stats", {}).items():
+            if hasattr(self.stats, k):
+                setattr(self.stats, k, v)
+        self._version = version
+
+    # ------------------------------------------------------------------ the loop
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._run())
+        except BaseException as e:  # surfaced to the runtime through .error
+            log.exception("rollout controller crashed")
+            self.error = e
+
+    async def _run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        tasks: set[asyncio.Task] = set()
+        while not self._stop.is_set():
+            if not self._paused.is_set():
+                cap = self.staleness.capacity(self._version)
+                while cap >= self.group_size and not self._stop.is_set():
+                    with self._lock:
+                        idx, sample = self.data.next()
+                        eid = self._episode_ids
+                        self._episode_ids += 1
+                        self._inflight[eid] = idx
+                    self.staleness.on_start(self.group_size)
+                    self.stats.episodes_started += 1
+                    t = asyncio.create_task(self._episode(eid, sample))
+                    tasks.add(t)
+                    t.add_done_callback(tasks.discard)
+                    cap -= self.group_size
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+            except TimeoutError:
+                pass
+        for t in list(tasks):
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _episode(self, eid: int, sample: Sample) -> None:
+        G = self.group_size
+        try:
+            group = await self.workflow.run_episode(self.engine, sample)
+        except asyncio.CancelledError:
+            raise  # stopping: the sample stays in _inflight and is re-queued by snapshot()
+        except Exception as e:
+            log.exception("episode for %s failed", sample.id)
+            self.stats.episodes_failed += 1
+            self.stats.last_error = f"{type(e).__name__}: {e}"
+            with self._lock:
+                self._inflight.pop(eid, None)
+            self.staleness.on_reject(G)
+            self._poke()
+            return
+        accept = group is not None and len(group) > 0
+        if accept and len(group) != G:
+            raise RuntimeError(f"workflow returned {len(group)} trajectories, expected group_size={G}")
+        if accept and self.filter_all_equal and len({t.reward for t in group}) == 1:
+            if self._filtered_in_a_row < self.max_filtered_in_a_row:
+                self._filtered_in_a_row += 1
+                self.stats.groups_filtered += 1
+                accept = False
+            else:
+                self.stats.filter_cap_hits += 1
+                log.warning(
+                    "dynamic filtering: %d groups in a row had all-equal rewards; accepting this one "
+                    "to avoid starving the trainer (rollout.max_filtered_in_a_row)", self._filtered_in_a_row,
+                )
+                self._filtered_in_a_row = 0
+        elif accept:
+            self._filtered_in_a_row = 0
+        if accept:
+            # accept before put: once in the buffer the trainer may drop the group as stale,
+            # and on_drop must find it counted as accepted
+            self.staleness.on_accept(G)
+        with self._lock:
+            self._inflight.pop(eid, None)
+            if accept:
+                self.buffer.put(group)
+        if accept:
+            self.stats.episodes_accepted += 1
+            self.stats.trajectories_accepted += G
+            self.stats.reward_failures += sum(bool(t.metadata.get("reward_failed")) for t in group)
+        else:
+            self.staleness.on_reject(G)
+            self.stats.episodes_rejected += 1
+        self._poke()
+
+    def counters(self) -> dict[str, float]:
+        """Controller counters as metrics (``rollout/...``)."""
+        s = self.stats
+        return {
+            "rollout/episodes_started": s.episodes_started,
+            "rollout/episodes_accepted": s.episodes_accepted,
+            "rollout/episodes_rejected": s.episodes_rejected,
+            "rollout/episodes_failed": s.episodes_failed,
+            "rollout/groups_filtered": s.groups_filtered,
+            "rollout/filter_cap_hits": s.filter_cap_hits,
+            "rollout/reward_failures": s.reward_failures,
+            "rollout/running": self.staleness.running,
+            "rollout/buffered": self.buffer.size(),
+            "rollout/dropped_stale": self.buffer.stats()["dropped_stale"],
+        }
+
+
+def wait_for_batch(buffer: TrajectoryBuffer, n: int, version_fn, *, poll_s: float = 0.2, health_fn=None, stop: threading.Event | None = None) -> list[Trajectory] | None:
+    """Block until the buffer can hand out ``n`` trajectories at the current version.
+
+    Args:
+        buffer: The trajectory buffer.
+        n: Batch size in trajectories.
+        version_fn: Returns the current trainer version.
+        poll_s: Seconds between checks (s).
+        health_fn: Called on every poll; raise from it to abort (e.g. the controller crashed).
+        stop: When set, return None.
+    """
+    while True:
+        batch = buffer.get_batch(n, version_fn())
+        if batch is not None:
+            return batch
+        if stop is not None and stop.is_set():
+            return None
+        if health_fn is not None:
+            health_fn()
+        buffer.wait_for(n, timeout=poll_s)
+        time.sleep(0.0 if buffer.size() < n else poll_s / 4)

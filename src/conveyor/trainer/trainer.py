@@ -1,0 +1,271 @@
+"""The policy trainer: one call of :meth:`Trainer.train_step` is one policy update (one version).
+
+A plain recipe in the torchtune sense: advantages (pure function) -> packed micro-batches ->
+proximal log-probs (a forward pass with the parameters just before the update, AReaL's choice,
+MISSION.md section 1) -> loss (pure function) with exact global token-mean normalisation across
+micro-batches -> AdamW step with gradient clipping and a warm-up schedule.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from contextlib import nullcontext
+
+import torch
+
+from conveyor.config import LossConfig, TrainerConfig
+from conveyor.sync import WeightUpdate
+from conveyor.trainer import advantages as adv_lib
+from conveyor.trainer import losses as loss_lib
+from conveyor.trainer.batch import PackedBatch, pack, plan_micro_batches
+from conveyor.trainer.logprobs import token_logprobs
+from conveyor.types import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    """Raised after ``trainer.max_nonfinite_in_a_row`` consecutive steps with a non-finite loss or
+    gradient norm (each such step is skipped and logged before)."""
+
+
+def compute_advantages(trajectories: list[Trajectory], estimator: str) -> torch.Tensor:
+    """Scalar advantage per trajectory, ``[N]`` float32.
+
+    Args:
+        trajectories: The batch; ``group_id`` ties responses to the same prompt.
+        estimator: ``"grpo"`` (group-normalised, arXiv 2402.03300), ``"dr_grpo"`` (no std division,
+            arXiv 2503.20783) or ``"reinforce"`` (batch-mean baseline).
+    """
+    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    if estimator == "reinforce":
+        return adv_lib.reinforce_baseline_advantages(rewards)
+    gid_of: dict[str, int] = {}
+    gids = torch.tensor([gid_of.setdefault(t.group_id, len(gid_of)) for t in trajectories])
+    if estimator not in ("grpo", "dr_grpo"):
+        raise ValueError(f"loss.advantage: unknown estimator {estimator!r} (grpo, dr_grpo, reinforce)")
+    return adv_lib.grpo_advantages(rewards, gids, scale_by_std=(estimator == "grpo"))
+
+
+def staleness_metrics(trajectories: list[Trajectory], version: int) -> dict[str, float]:
+    """Version lag of a batch consumed at trainer ``version``, measured from each trajectory's
+    oldest token (MISSION.md section 1): ``staleness/max``, ``staleness/mean``,
+    ``staleness/multi_version_share`` (share of trajectories spanning > 1 version)."""
+    lags = [version - t.oldest_version for t in trajectories if t.versions]
+    if not lags:
+        return {"staleness/max": 0.0, "staleness/mean": 0.0, "staleness/multi_version_share": 0.0}
+    return {
+        "staleness/max": float(max(lags)),
+        "staleness/mean": sum(lags) / len(lags),
+        "staleness/multi_version_share": sum(t.num_versions > 1 for t in trajectories) / len(trajectories),
+    }
+
+
+class Trainer:
+    """Owns the policy's parameters, the optimizer and the scheduler.
+
+    Args:
+        model: The policy (a transformers causal LM, fp32 parameters).
+        trainer_cfg: Optimisation settings. loss_cfg: Loss and advantage settings.
+        temperature: Rollout sampling temperature (log-probs are recomputed at it).
+        version: Starting policy version.
+
+    The trainer never shares its parameters: :meth:`weight_update` returns copies.
+    """
+
+    def __init__(self, model: torch.nn.Module, trainer_cfg: TrainerConfig, loss_cfg: LossConfig, *, temperature: float = 1.0, version: int = 0):
+        self.model = model
+        self.cfg = trainer_cfg
+        self.loss_cfg = loss_cfg
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.version = version
+        self.nonfinite_in_a_row = 0
+        self.ref_model = None
+        if loss_cfg.kl_coef > 0:
+            self.ref_model = copy.deepcopy(model).eval()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=trainer_cfg.lr, betas=trainer_cfg.betas, weight_decay=trainer_cfg.weight_decay)
+        total = max(1, trainer_cfg.total_steps * trainer_cfg.minibatches)
+        warm = trainer_cfg.warmup_steps * trainer_cfg.minibatches
+
+        def lr_lambda(step: int) -> float:
+            if warm > 0 and step < warm:
+                return (step + 1) / warm
+            if trainer_cfg.schedule == "cosine":
+                prog = min(1.0, (step - warm) / max(1, total - warm))
+                return 0.5 * (1.0 + math.cos(math.pi * prog))
+            return 1.0
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
+
+    # ------------------------------------------------------------------ helpers
+    def _autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.bf16 else nullcontext()
+
+    def _logprobs(self, model, mb: PackedBatch, with_entropy: bool = False):
+        with self._autocast():
+            return token_logprobs(
+                model, mb.input_ids, mb.position_ids, mb.targets, temperature=self.temperature,
+                chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy, mask=mb.mask,
+            )
+
+    def weight_update(self) -> WeightUpdate:
+        """The current parameters as a :class:`WeightUpdate` stamped with :attr:`version`."""
+        return WeightUpdate.from_model(self.model, self.version)
+
+    # ------------------------------------------------------------------ the update
+    def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """One policy update on a batch of trajectories; increments :attr:`version` by one.
+
+        A step whose loss or gradient norm is non-finite is skipped (no optimizer step, logged,
+        ``train/skipped_nonfinite`` = 1) and still counts as a version, so the staleness
+        accounting of the rollout controller stays exact.
+
+        Returns:
+            Metrics (floats): loss, clip fractions, importance-weight stats, KL, entropy, grad
+            norm, learning rate, tokens, tokens/s, staleness, reward / advantage stats.
+
+        Raises:
+            ValueError: empty batch.
+            NonFiniteLossError: ``max_nonfinite_in_a_row`` consecutive non-finite steps.
+        """
+        if not trajectories:
+            raise ValueError("train_step: empty batch")
+        t0 = time.perf_counter()
+        cfg, lc = self.cfg, self.loss_cfg
+        self.model.train()
+        metrics: dict[str, float] = staleness_metrics(trajectories, self.version)
+        advantages = compute_advantages(trajectories, lc.advantage)
+        lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
+        plan = plan_micro_batches(lengths, cfg.micro_batch_tokens)
+        mbs = [pack(trajectories, advantages, idx) for idx in plan]
+
+        # proximal log-probs: the parameters just before the update (AReaL eq. 5)
+        prox: list[torch.Tensor | None] = [None] * len(mbs)
+        ents: list[torch.Tensor | None] = [None] * len(mbs)
+        refs: list[torch.Tensor | None] = [None] * len(mbs)
+        t_prox = time.perf_counter()
+        # With one optimizer step per batch the parameters before the update are the ones of the
+        # gradient forward pass, so pi_prox = that pass's log-probs, detached: identical values
+        # (same parameters, same kernels), one forward pass fewer. With several minibatches the
+        # parameters move between optimizer steps, so a separate pass runs first.
+        reuse_forward = cfg.minibatches == 1 and not cfg.separate_proximal_pass
+        with torch.no_grad():
+            for j, mb in enumerate(mbs):
+                if lc.name == "decoupled_ppo" and not reuse_forward:
+                    prox[j], ents[j] = self._logprobs(self.model, mb, with_entropy=True)
+                if self.ref_model is not None:
+                    refs[j], _ = self._logprobs(self.ref_model, mb)
+        metrics["time/proximal_s"] = time.perf_counter() - t_prox
+
+        # minibatches: each is one optimizer step; the loss is a token-mean over the minibatch
+        n_mini = min(cfg.minibatches, len(mbs))
+        groups = [list(range(len(mbs)))[k::n_mini] for k in range(n_mini)]
+        outs: list[loss_lib.LossOutput] = []
+        kl_sum = 0.0
+        ent_sum = 0.0
+        grad_norms = []
+        skipped = False
+        for grp in groups:
+            denom = sum(mbs[j].num_tokens for j in grp)
+            if denom == 0:
+                continue
+            self.optimizer.zero_grad(set_to_none=True)
+            finite = True
+            for j in grp:
+                mb = mbs[j]
+                lp, ent = self._logprobs(self.model, mb, with_entropy=ents[j] is None)
+                if ents[j] is None:
+                    ents[j] = ent
+                if lc.name == "decoupled_ppo":
+                    if prox[j] is None:
+                        prox[j] = lp.detach()
+                    out = loss_lib.decoupled_ppo_loss(
+                        lp, prox[j], mb.behaviour_logprobs, mb.advantages, mb.mask,
+                        eps_low=lc.eps_low, eps_high=lc.eps_high,
+                        behaviour_weight_cap=lc.behaviour_weight_cap, cap_mode=lc.behaviour_weight_cap_mode,
+                    )
+                else:
+                    out = loss_lib.ppo_clip_loss(
+                        lp, mb.behaviour_logprobs, mb.advantages, mb.mask,
+                        eps_low=lc.eps_low, eps_high=lc.eps_high, dual_clip=lc.dual_clip,
+                    )
+                loss = out.loss_sum
+                if refs[j] is not None:
+                    kl = loss_lib.kl_penalty(lp, refs[j], mb.mask, kind="k3")
+                    kl_sum += float(kl.detach())
+                    loss = loss + lc.kl_coef * kl
+                loss = loss / denom  # exact global token-mean over the minibatch
+                if not torch.isfinite(loss):
+                    finite = False
+                    break
+                loss.backward()
+                outs.append(out)
+            gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf"))
+            if not finite or not torch.isfinite(gn):
+                self.optimizer.zero_grad(set_to_none=True)
+                skipped = True
+                break
+            grad_norms.append(float(gn))
+            self.optimizer.step()
+            self.scheduler.step()
+        self.model.eval()
+
+        self.version += 1
+        if skipped:
+            self.nonfinite_in_a_row += 1
+            log.warning("step %d: non-finite loss or gradient norm, update skipped (%d in a row)", self.version, self.nonfinite_in_a_row)
+            if self.nonfinite_in_a_row >= cfg.max_nonfinite_in_a_row:
+                raise NonFiniteLossError(
+                    f"{self.nonfinite_in_a_row} consecutive steps had a non-finite loss or gradient "
+                    f"norm (trainer.max_nonfinite_in_a_row={cfg.max_nonfinite_in_a_row}); stopping. "
+                    "Lower trainer.lr or check the rewards."
+                )
+        else:
+            self.nonfinite_in_a_row = 0
+        n_tok = sum(mb.num_tokens for mb in mbs)
+        for j, mb in enumerate(mbs):
+            if ents[j] is not None:
+                ent_sum += float((ents[j] * mb.mask).sum())
+        if outs:
+            metrics.update({f"loss/{k}": v for k, v in loss_lib.aggregate(outs).items()})
+        rewards = torch.tensor([t.reward for t in trajectories])
+        metrics.update({
+            "train/skipped_nonfinite": float(skipped),
+            "train/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/tokens": float(n_tok),
+            "train/micro_batches": float(len(mbs)),
+            "train/entropy": ent_sum / max(1, n_tok),
+            "train/kl_ref": kl_sum / max(1, n_tok),
+            "train/advantage_abs_mean": float(advantages.abs().mean()),
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std(unbiased=False)),
+            "time/train_step_s": time.perf_counter() - t0,
+        })
+        metrics["train/tokens_per_s"] = n_tok / metrics["time/train_step_s"]
+        return metrics
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict:
+        """Everything needed to continue exactly: model, optimizer, scheduler, version, counters."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "version": self.version,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])
+        self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))

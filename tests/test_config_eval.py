@@ -1,0 +1,85 @@
+"""Config parsing (unknown keys, overrides, errors) and the pass@k estimator."""
+
+from __future__ import annotations
+
+import math
+from itertools import combinations
+
+import pytest
+
+from conveyor.config import ConfigError, TrainConfig, load_config
+from conveyor.eval import pass_at_k
+
+
+def test_defaults_are_async_smollm2_on_mawps():
+    cfg = load_config()
+    assert cfg.model.name == "smollm2-135m-instruct"
+    assert cfg.data.train.startswith("mawps:")
+    assert cfg.asynchronous.eta is not None and cfg.asynchronous.eta >= 1
+    assert cfg.to_dict()["async"]["eta"] == cfg.asynchronous.eta
+
+
+def test_overrides_and_files(tmp_path):
+    cfg = load_config(None, ["async.eta=0", "trainer.lr=1e-5", "rollout.stop_never_mind=1"][:2])
+    assert cfg.asynchronous.eta == 0 and cfg.trainer.lr == 1e-5
+    p = tmp_path / "c.yaml"
+    p.write_text("trainer:\n  batch_size: 3\nasync:\n  eta: null\n")
+    cfg = load_config(p, ["rollout.group_size=2"])
+    assert cfg.trainer.batch_size == 3 and cfg.asynchronous.eta is None and cfg.rollout.group_size == 2
+    # a saved run config (JSON, alias spelling) loads back identically
+    j = tmp_path / "c.json"
+    import json
+
+    j.write_text(json.dumps(cfg.to_dict()))
+    assert load_config(j) == cfg
+
+
+@pytest.mark.parametrize("item, needle", [
+    ("trainer.lr=-1", "trainer.lr"),
+    ("trainer.nope=1", "trainer.nope"),
+    ("async.eta=-1", "async.eta"),
+    ("noequals", "key=value"),
+])
+def test_bad_overrides_name_the_key(item, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_config(None, [item])
+
+
+def test_bad_file_named(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("trainer: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_group_size_vs_concurrency_checked():
+    with pytest.raises(Exception, match="max_concurrent"):
+        TrainConfig.model_validate({"rollout": {"group_size": 8, "max_concurrent": 4}})
+
+
+def brute_pass_at_k(n, c, k):
+    """Probability that a random k-subset of n samples (c correct) holds a correct one."""
+    items = [1] * c + [0] * (n - c)
+    subsets = list(combinations(range(n), k))
+    return sum(any(items[i] for i in s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (1, 0, 1, 0.0), (1, 1, 1, 1.0),
+    (4, 1, 1, 0.25),          # c / n
+    (4, 1, 2, 0.5),           # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    (5, 2, 2, 0.7),           # 1 - C(3,2)/C(5,2) = 1 - 3/10
+    (10, 3, 5, 1 - 21 / 252),  # 1 - C(7,5)/C(10,5)
+    (4, 3, 2, 1.0),           # n - c < k
+])
+def test_pass_at_k_hand_values(n, c, k, expected):
+    assert math.isclose(pass_at_k(n, c, k), expected, abs_tol=1e-12)
+    assert math.isclose(pass_at_k(n, c, k), brute_pass_at_k(n, c, k), abs_tol=1e-12)
+
+
+def test_pass_at_k_rejects_bad_arguments():
+    for args in [(0, 0, 1), (3, 4, 1), (3, 1, 4), (3, 1, 0)]:
+        with pytest.raises(ValueError, match="pass_at_k"):
+            pass_at_k(*args)

@@ -1,0 +1,574 @@
+"""Tests of the embedded inference engine (continuous batching, sampling, interruptible updates).
+
+Every engine gets its own freshly loaded tiny model (random 2-layer Llama, SmolLM2 tokenizer,
+fp32): the engine owns and overwrites its model's weights, so the session-wide ``tiny`` fixture
+is never handed to an engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from conveyor.models import load_model
+from conveyor.rollout.engine import (
+    GenerationOutput,
+    InferenceEngine,
+    SamplingParams,
+    sample_from_logits,
+)
+from conveyor.sync import WeightUpdate
+
+QUESTIONS = [
+    "What is 2 + 3?",
+    "Hi",
+    "Compute 17 + 25 and then multiply the result by three. Show each step clearly.",
+    "A farmer has 12 cows and buys 7 more. How many cows?",
+]
+
+
+def fresh_model():
+    """A new tiny model and its tokenizer, with identical weights every time.
+
+    The ``tiny`` preset's small initialisation (std 0.02, tied embeddings) makes greedy decoding
+    repeat the last prompt token forever, which would make token-for-token comparisons trivial;
+    re-drawing every matrix with std 0.15 gives varied outputs with clear logit gaps.
+    """
+    lm = load_model("tiny", seed=0)
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for _, p in sorted(lm.model.named_parameters()):
+            if p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+    return lm.model, lm.tokenizer
+
+
+def chat(tokenizer, question: str) -> list[int]:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True
+    )["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """A reference tiny model (never given to an engine) and the chat prompts."""
+    model, tok = fresh_model()
+    prompts = [chat(tok, q) for q in QUESTIONS]
+    assert len({len(p) for p in prompts}) == len(prompts)  # different lengths
+    return model, tok, prompts
+
+
+@pytest.fixture
+def engine():
+    model, tok = fresh_model()
+    eng = InferenceEngine(model, tok, max_batch_size=8, seed=1, num_threads=1)
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def recomputed_logprobs(model, out: GenerationOutput, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / T) of ``model`` over prompt + response, at the response tokens."""
+    ids = torch.tensor([out.prompt_ids + out.token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float() / temperature
+    p = len(out.prompt_ids)
+    lp = torch.log_softmax(logits[p - 1 : -1], -1)
+    return lp.gather(-1, torch.tensor(out.token_ids).unsqueeze(-1)).squeeze(-1)
+
+
+async def gather_generate(eng, prompts, params):
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    return await asyncio.gather(
+        *(eng.generate(p, sp) for p, sp in zip(prompts, params, strict=True))
+    )
+
+
+# ------------------------------------------------------------------ SamplingParams
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=2.0), "max_new_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(stop="abc"), "stop"),
+        (dict(stop=("",)), "stop"),
+        (dict(stop_token_ids=(-3,)), "stop_token_ids"),
+        (dict(seed=1.5), "seed"),
+    ],
+)
+def test_sampling_params_validation_names_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_coerces_lists_to_tuples():
+    p = SamplingParams(stop=["a", "b"], stop_token_ids=[5])
+    assert p.stop == ("a", "b") and p.stop_token_ids == (5,)
+    assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
+
+
+# ------------------------------------------------------------------ sampler
+
+
+def test_sampler_truncation_and_logprobs():
+    row = torch.tensor([2.0, 1.0, 0.5, -1.0, 3.0])
+    kinds = [
+        SamplingParams(temperature=0),  # greedy: argmax, log_softmax at T = 1
+        SamplingParams(temperature=1.0, top_k=2),  # renormalised over {4, 0}
+        SamplingParams(temperature=0.5, top_p=0.6),  # probs 0.84, 0.11, ... -> only token 4
+        SamplingParams(temperature=1.0, top_k=3, top_p=0.8),  # top-3 probs .63 .23 .09 -> {4, 0}
+        SamplingParams(temperature=2.0),  # untruncated
+    ]
+    n = 300  # draws per kind, all in one mixed batch
+    params = [p for p in kinds for _ in range(n)]
+    u = 1.0 - torch.rand(
+        len(params), generator=torch.Generator().manual_seed(0), dtype=torch.float64
+    )
+    tok, lp = sample_from_logits(row.expand(len(params), 5), params, u)
+    tok, lp = tok.view(len(kinds), n), lp.view(len(kinds), n)
+    expected_lp = torch.full((len(kinds), 5), float("-inf"))
+    expected_lp[0] = torch.log_softmax(row, -1)
+    expected_lp[1, [4, 0]] = torch.log_softmax(row[[4, 0]], -1)
+    expected_lp[2, 4] = 0.0
+    expected_lp[3, [4, 0]] = torch.log_softmax(row[[4, 0]], -1)
+    expected_lp[4] = torch.log_softmax(row / 2.0, -1)
+    assert torch.allclose(lp, expected_lp.gather(1, tok), atol=1e-6)
+    assert set(tok[0].tolist()) == {4} and set(tok[1].tolist()) == {0, 4}
+    assert set(tok[2].tolist()) == {4} and set(tok[3].tolist()) == {0, 4}
+    assert set(tok[4].tolist()) == {0, 1, 2, 3, 4}  # untruncated: every token appears
+
+
+def test_sampler_top_p_on_large_vocabulary_matches_full_sort():
+    """The candidate-set search for top-p must give the same nucleus as sorting everything."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 3000, generator=gen) * torch.tensor(
+        [[0.3], [1.0], [3.0], [8.0], [1.0], [0.1]]
+    )
+    params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=k) for k in (0, 0, 0, 0, 700, 2500)]
+    for _ in range(5):
+        u = 1.0 - torch.rand(6, generator=gen, dtype=torch.float64)
+        tok, lp = sample_from_logits(logits, params, u)
+        for i, p in enumerate(params):
+            vals, order = logits[i].sort(descending=True)
+            if p.top_k:
+                vals = vals[: p.top_k]
+            probs = torch.softmax(vals.double(), -1)
+            keep = (probs.cumsum(-1) - probs) < p.top_p
+            nucleus = order[: len(vals)][keep]
+            assert tok[i].item() in set(nucleus.tolist())
+            ref = torch.log_softmax(vals[keep], -1)[(nucleus == tok[i]).nonzero()[0, 0]]
+            assert lp[i].item() == pytest.approx(ref.item(), abs=1e-5)
+
+
+def test_sampler_frequencies_follow_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    probs = torch.softmax(logits[0], -1)
+    u = 1.0 - torch.rand(20000, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    tok, _ = sample_from_logits(logits.expand(20000, 3), [SamplingParams()] * 20000, u)
+    freq = torch.bincount(tok, minlength=3).double() / 20000
+    assert torch.allclose(freq, probs.double(), atol=0.015)
+    with pytest.raises(ValueError, match="expected logits"):
+        sample_from_logits(logits, [SamplingParams()] * 2, u[:2])
+
+
+# ------------------------------------------------------------------ continuous batching
+
+
+def test_greedy_matches_hf_generate_under_continuous_batching(engine, ref):
+    model, _, prompts = ref
+    lengths = [12, 30, 7, 21]  # rows finish (and leave the batch) at different steps
+    greedy = [SamplingParams(max_new_tokens=n, temperature=0) for n in lengths]
+    # sampled requests share the batch with the greedy ones (per-request parameters)
+    sampled = [SamplingParams(max_new_tokens=15, temperature=1.0, top_k=20) for _ in prompts[:2]]
+    outs = asyncio.run(gather_generate(engine, prompts + prompts[:2], greedy + sampled))
+    for prompt, n, out in zip(prompts, lengths, outs[:4], strict=True):
+        expected = hf_greedy(model, prompt, n)
+        assert len(set(expected)) > n // 3  # a non-degenerate reference
+        assert out.token_ids == expected
+        assert out.prompt_ids == prompt
+        assert out.finish_reason == ("stop" if len(expected) < n else "length")
+        assert out.versions == [0] * len(expected) and out.num_interruptions == 0
+        assert len(out.logprobs) == len(expected)
+    assert all(len(o.token_ids) == 15 for o in outs[4:])
+    st = engine.stats()
+    assert st["num_requests"] == 6 and st["num_finished"] == 6 and st["running"] == 0
+    assert st["generated_tokens"] == sum(len(o.token_ids) for o in outs)
+    assert st["busy_seconds"] > 0
+
+
+def test_small_prefill_chunks_and_kv_growth_do_not_change_results(ref, monkeypatch):
+    """One prefill pass per request (several merges) and KV buffers that regrow every 2 steps."""
+    from conveyor.rollout import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_PREFILL_MAX_TOKENS", 60)
+    monkeypatch.setattr(engine_module, "_KV_GROWTH", 2)
+    model, _, prompts = ref
+    m, tok = fresh_model()
+    with InferenceEngine(m, tok, num_threads=1) as eng:
+        outs = eng.generate_batch(prompts, SamplingParams(max_new_tokens=14, temperature=0))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == hf_greedy(model, prompt, 14)
+
+
+def test_logprobs_match_full_forward(engine, ref):
+    model, tok, prompts = ref
+    for temperature in (1.0, 0.7):
+        params = SamplingParams(max_new_tokens=16, temperature=temperature)
+        outs = asyncio.run(gather_generate(engine, prompts, params))
+        for out in outs:
+            expected = recomputed_logprobs(model, out, temperature)
+            assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4)
+            assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+    # greedy records log_softmax at T = 1
+    out = engine.generate_batch([prompts[0]], SamplingParams(max_new_tokens=10, temperature=0))[0]
+    assert torch.allclose(torch.tensor(out.logprobs), recomputed_logprobs(model, out), atol=1e-4)
+
+
+def test_request_joins_mid_flight_and_finishes_independently(engine, ref):
+    model, _, prompts = ref
+
+    async def run():
+        long = asyncio.ensure_future(
+            engine.generate(prompts[2], SamplingParams(max_new_tokens=60, temperature=0))
+        )
+        while engine.stats()["generated_tokens"] < 10:
+            await asyncio.sleep(0.002)
+        assert engine.stats()["running"] == 1
+        short = await engine.generate(prompts[1], SamplingParams(max_new_tokens=5, temperature=0))
+        assert not long.done()  # the short request joined and left while the long one ran
+        return short, await long
+
+    short, long = asyncio.run(run())
+    assert short.token_ids == hf_greedy(model, prompts[1], 5)
+    assert long.token_ids == hf_greedy(model, prompts[2], 60)
+
+
+def test_generate_from_loop_in_another_thread_and_cancel(engine, ref):
+    _, _, prompts = ref
+    results = {}
+
+    def in_thread():
+        async def run():
+            task = asyncio.ensure_future(
+                engine.generate(prompts[0], SamplingParams(max_new_tokens=2000))
+            )
+            while engine.stats()["generated_tokens"] < 5:
+                await asyncio.sleep(0.002)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            results["out"] = await engine.generate(prompts[1], SamplingParams(max_new_tokens=4))
+
+        asyncio.run(run())
+
+    th = threading.Thread(target=in_thread)
+    th.start()
+    th.join(timeout=30)
+    assert len(results["out"].token_ids) == 4
+    deadline = time.monotonic() + 5
+    while engine.stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    st = engine.stats()
+    assert st["running"] == 0 and st["generated_tokens"] < 1000  # cancelled request was dropped
+
+
+def test_max_batch_size_queues_requests(ref):
+    model, tok = fresh_model()
+    _, _, prompts = ref
+    eng = InferenceEngine(model, tok, max_batch_size=2, num_threads=1)
+    with eng:
+        futs = [eng.submit(p, SamplingParams(max_new_tokens=30)) for p in prompts]
+        assert eng.stats()["running"] + eng.stats()["waiting"] == 4
+        seen_running = set()
+        while not all(f.done() for f in futs):
+            seen_running.add(eng.stats()["running"])
+            time.sleep(0.001)
+        assert max(seen_running) <= 2
+        assert [len(f.result().token_ids) for f in futs] == [30] * 4
+
+
+# ------------------------------------------------------------------ stop conditions
+
+
+def test_stop_token_ids_stop_strings_and_max_new_tokens(engine, ref):
+    model, tok, prompts = ref
+    prompt = prompts[3]
+    full = hf_greedy(model, prompt, 40)
+    assert len(full) == 40
+    # stop token: the first occurrence of full[6] ends generation (token kept)
+    stop_tok = full[6]
+    first = full.index(stop_tok)
+    out = engine.generate_batch(
+        [prompt], SamplingParams(max_new_tokens=40, temperature=0, stop_token_ids=(stop_tok,))
+    )[0]
+    assert out.token_ids == full[: first + 1] and out.finish_reason == "stop"
+    # stop string: a piece of text first completed by token k
+    k, piece = next(
+        (k, tok.decode(full[: k + 1], skip_special_tokens=True)[-3:])
+        for k in range(5, 40)
+        if len(tok.decode(full[: k + 1], skip_special_tokens=True)) >= 3
+        and tok.decode(full[: k + 1], skip_special_tokens=True)[-3:]
+        not in tok.decode(full[:k], skip_special_tokens=True)
+    )
+    out = engine.generate_batch(
+        [prompt], SamplingParams(max_new_tokens=40, temperature=0, stop=("\x00never", piece))
+    )[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == full[: len(out.token_ids)] and len(out.token_ids) <= k + 1
+    assert piece in out.text  # the stop string is kept
+    assert piece not in tok.decode(out.token_ids[:-1], skip_special_tokens=True)
+    # max_new_tokens
+    out = engine.generate_batch([prompt], SamplingParams(max_new_tokens=9, temperature=0))[0]
+    assert out.token_ids == full[:9] and out.finish_reason == "length"
+
+
+def test_eos_ends_generation(ref):
+    model, tok = fresh_model()
+    _, _, prompts = ref
+    # an untied head whose bias makes the tokenizer's eos (a special token) the argmax
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.zero_()
+        head.bias[tok.eos_token_id] = 10.0
+    model.lm_head = head
+    with InferenceEngine(model, tok) as eng:
+        out = eng.generate_batch([prompts[0]], SamplingParams(max_new_tokens=10, temperature=0))[0]
+    assert out.token_ids == [tok.eos_token_id] and out.finish_reason == "stop" and out.text == ""
+
+
+def test_generation_config_eos_ids_end_generation(ref):
+    model, tok = fresh_model()
+    _, _, prompts = ref
+    first = hf_greedy(model, prompts[2], 3)
+    assert first[0] not in first[1:]
+    model.generation_config.eos_token_id = [tok.eos_token_id, first[1]]
+    with InferenceEngine(model, tok) as eng:
+        out = eng.generate_batch([prompts[2]], SamplingParams(max_new_tokens=10, temperature=0))[0]
+    assert out.token_ids == first[:2] and out.finish_reason == "stop"
+
+
+def test_context_length_guard(engine):
+    max_pos = engine.model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine.generate_batch([[5] * max_pos], SamplingParams(max_new_tokens=3))
+    out = engine.generate_batch(
+        [[5] * (max_pos - 3)], SamplingParams(max_new_tokens=10, temperature=0)
+    )[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate_batch([[]], SamplingParams())
+    with pytest.raises(ValueError, match="prompt_ids"):
+        engine.generate_batch([[10**9]], SamplingParams())
+
+
+def test_stop_aborts_in_flight_and_queued_requests(ref):
+    model, tok = fresh_model()
+    _, _, prompts = ref
+    eng = InferenceEngine(model, tok, max_batch_size=1, num_threads=1)
+    eng.start()
+    futs = [eng.submit(p, SamplingParams(max_new_tokens=2000)) for p in prompts[:3]]
+    while eng.stats()["generated_tokens"] < 3:
+        time.sleep(0.002)
+    eng.stop()
+    outs = [f.result(timeout=10) for f in futs]
+    assert [o.finish_reason for o in outs] == ["abort"] * 3
+    assert 3 <= len(outs[0].token_ids) < 2000
+    assert outs[1].token_ids == [] and outs[2].token_ids == []  # were still queued
+    assert eng.stats()["num_aborted"] == 3
+    with pytest.raises(RuntimeError, match="stopped"):
+        eng.submit(prompts[0], SamplingParams())
+    eng.start()  # restartable
+    assert len(eng.generate_batch([prompts[0]], SamplingParams(max_new_tokens=3))[0].token_ids) == 3
+    eng.stop()
+
+
+def test_generate_batch_requires_started_engine(ref):
+    model, tok = fresh_model()
+    eng = InferenceEngine(model, tok)
+    with pytest.raises(RuntimeError, match="start"):
+        eng.generate_batch([ref[2][0]], SamplingParams())
+
+
+# ------------------------------------------------------------------ weight updates
+
+
+def perturbed_update(model, version: int, scale: float = 0.05, seed: int = 7) -> WeightUpdate:
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {
+        name: t + scale * torch.randn(t.shape, generator=gen) * t.abs().mean()
+        for name, t in model.state_dict().items()
+    }
+    return WeightUpdate(version=version, tensors=tensors)
+
+
+@pytest.mark.parametrize("paused", [False, True])
+def test_interruptible_update_versions_and_logprobs(ref, paused):
+    old_model, tok, prompts = ref
+    update = perturbed_update(old_model, version=1)
+    new_model, _ = fresh_model()
+    new_model.load_state_dict(update.tensors)
+    model, _ = fresh_model()
+    eng = InferenceEngine(model, tok, seed=3, num_threads=1)
+    long_params = SamplingParams(max_new_tokens=60, temperature=1.0)
+
+    async def run():
+        longs = [asyncio.ensure_future(eng.generate(p, long_params)) for p in prompts[:3]]
+        short = await eng.generate(prompts[3], SamplingParams(max_new_tokens=5, temperature=1.0))
+        # `short` finished after 5 steps, so every long request is in flight with 55 tokens to go
+        if paused:
+            eng.pause()
+            before = eng.stats()["generated_tokens"]
+            await asyncio.to_thread(eng.update_weights, update)
+            assert eng.version == 1 and eng.stats()["generated_tokens"] == before
+            eng.resume()
+        else:
+            await asyncio.to_thread(eng.update_weights, update)
+        return short, await asyncio.gather(*longs)
+
+    with eng:
+        short, longs = asyncio.run(run())
+    assert short.versions == [0] * 5 and short.num_interruptions == 0
+    for out in longs:
+        assert len(out.token_ids) == 60 and out.num_interruptions == 1
+        cut = out.versions.index(1)
+        assert 3 <= cut < 60 and out.versions == [0] * cut + [1] * (60 - cut)
+        lp = torch.tensor(out.logprobs)
+        old_lp = recomputed_logprobs(old_model, out)
+        new_lp = recomputed_logprobs(new_model, out)
+        assert torch.allclose(lp[:cut], old_lp[:cut], atol=1e-4)
+        assert torch.allclose(lp[cut:], new_lp[cut:], atol=1e-4)
+        assert not torch.allclose(lp[cut:], old_lp[cut:], atol=1e-3)  # the update mattered
+    st = eng.stats()
+    assert st["num_weight_updates"] == 1 and st["version"] == 1
+    assert st["pause_seconds_total"] > 0 and st["reencoded_tokens"] > 0
+
+
+def test_update_validation_keeps_engine_working(engine, ref):
+    _, _, prompts = ref
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    before = engine.generate_batch([prompts[0]], params)[0]
+    good = {name: t.clone() for name, t in engine.model.state_dict().items()}
+    with pytest.raises(ValueError, match="must increase"):
+        engine.update_weights(WeightUpdate(version=0, tensors=good))
+    with pytest.raises(KeyError, match="model.bogus.weight"):
+        engine.update_weights(
+            WeightUpdate(version=2, tensors={"model.bogus.weight": torch.zeros(1)})
+        )
+    name = "model.layers.0.mlp.up_proj.weight"
+    with pytest.raises(ValueError, match=name):
+        engine.update_weights(WeightUpdate(version=2, tensors={name: torch.zeros(3, 3)}))
+    with pytest.raises(ValueError, match=name):
+        engine.update_weights(
+            WeightUpdate(version=2, tensors={name: torch.zeros_like(good[name], dtype=torch.long)})
+        )
+    assert engine.version == 0 and engine.stats()["num_weight_updates"] == 0
+    after = engine.generate_batch([prompts[0]], params)[0]
+    assert after.token_ids == before.token_ids and after.versions == [0] * 8
+    # a rejected update does not consume its version; a partial bf16 update is cast and applied
+    engine.update_weights(
+        WeightUpdate(version=2, tensors={name: good[name].to(torch.bfloat16) * 0})
+    )
+    assert engine.version == 2
+    assert torch.count_nonzero(engine.model.state_dict()[name]) == 0
+    with pytest.raises(ValueError, match="must increase"):
+        engine.update_weights(WeightUpdate(version=2, tensors={}))
+    out = engine.generate_batch([prompts[0]], params)[0]
+    assert out.versions == [2] * 8
+
+
+def test_update_before_start_applies_inline(ref):
+    model, tok = fresh_model()
+    update = perturbed_update(model, version=5)
+    eng = InferenceEngine(model, tok, version=4)
+    fut = eng.update_weights(update, wait=False)
+    assert fut.done() and eng.version == 5
+    assert torch.equal(model.state_dict()["lm_head.weight"], update.tensors["lm_head.weight"])
+
+
+# ------------------------------------------------------------------ reproducibility
+
+
+def test_seeded_sampling_is_reproducible(ref):
+    _, _, prompts = ref
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, top_k=50)
+
+    def run(seed, sequential=False):
+        model, tok = fresh_model()
+        with InferenceEngine(model, tok, seed=seed, num_threads=1) as eng:
+            if sequential:  # one at a time: different batch compositions, same submission order
+                return [eng.generate_batch([p], params)[0] for p in prompts]
+            return eng.generate_batch(prompts, params)
+
+    a, b, c, other = run(11), run(11), run(11, sequential=True), run(12)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    # log-probs agree up to float rounding: batch composition (timing) changes padding / shapes
+    for x, y in zip(a, b, strict=True):
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5)
+    assert [o.token_ids for o in a] == [o.token_ids for o in c]
+    for x, y in zip(a, c, strict=True):
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5)
+    assert [o.token_ids for o in a] != [o.token_ids for o in other]
+    # an explicit per-request seed overrides the submission order
+    model, tok = fresh_model()
+    with InferenceEngine(model, tok, seed=99, num_threads=1) as eng:
+        eng.generate_batch([prompts[1]], params)  # shifts submission indices
+        d = eng.generate_batch([prompts[0]], dataclasses.replace(params, seed=5))[0]
+        e = eng.generate_batch([prompts[0]], dataclasses.replace(params, seed=5))[0]
+    assert d.token_ids == e.token_ids
+
+
+def test_num_threads_applies_to_the_engine_thread_only(ref):
+    model, tok = fresh_model()
+    main_threads = torch.get_num_threads()
+    engine_threads = 1 if main_threads != 1 else 2
+    with InferenceEngine(model, tok, num_threads=engine_threads) as eng:
+        eng.generate_batch([ref[2][0]], SamplingParams(max_new_tokens=2))
+        assert eng.stats()["num_threads"] == engine_threads
+        seen = []
+        th = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        th.start()
+        th.join()
+    assert torch.get_num_threads() == main_threads  # the caller's thread is unaffected
+    assert seen == [main_threads]  # and so are threads started later
+
+
+def test_decode_thread_crash_fails_requests_and_engine(ref):
+    model, tok = fresh_model()
+    _, _, prompts = ref
+    eng = InferenceEngine(model, tok, num_threads=1)
+
+    def broken_forward(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    model.forward = broken_forward
+    eng.start()
+    fut = eng.submit(prompts[0], SamplingParams(max_new_tokens=4))
+    with pytest.raises(RuntimeError, match="boom"):
+        fut.result(timeout=10)
+    with pytest.raises(RuntimeError, match="failed"):
+        eng.submit(prompts[0], SamplingParams())
+    with pytest.raises(RuntimeError, match="failed"):
+        eng.start()
+    eng.stop()  # still safe to call

@@ -1,0 +1,200 @@
+"""Trainer: packing, chunked log-probs, exact loss normalisation across micro-batches, steps."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from conveyor.config import LossConfig, TrainerConfig
+from conveyor.trainer.batch import pack, plan_micro_batches
+from conveyor.trainer.logprobs import token_logprobs
+from conveyor.trainer.trainer import NonFiniteLossError, Trainer, compute_advantages, staleness_metrics
+from conveyor.types import Sample, Trajectory
+
+
+def make_trajs(n=8, group=4, seed=0, version=0, vocab=1000):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = torch.randint(3, vocab, (4 + i % 3,), generator=g).tolist()
+        r = torch.randint(3, vocab, (3 + (i * 5) % 7,), generator=g).tolist()
+        out.append(Trajectory(
+            sample=Sample(f"s{i // group}", "q", "1", "t"), group_id=f"g{i // group}", prompt_ids=p,
+            response_ids=r, behaviour_logprobs=[-5.0] * len(r), versions=[version] * len(r),
+            reward=float((i * 7) % 3 == 0),
+        ))
+    return out
+
+
+def reference_logprobs(model, traj, temperature=1.0):
+    ids = torch.tensor([traj.prompt_ids + traj.response_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits[0].float() / temperature, -1)
+    P = len(traj.prompt_ids)
+    return torch.tensor([lp[P + k - 1, t].item() for k, t in enumerate(traj.response_ids)])
+
+
+def test_plan_micro_batches_covers_each_index_once_within_budget():
+    lengths = [5, 9, 3, 7, 2, 8, 12]
+    plan = plan_micro_batches(lengths, 12)
+    flat = sorted(i for b in plan for i in b)
+    assert flat == list(range(len(lengths)))
+    for b in plan:
+        assert sum(lengths[i] for i in b) <= 12 or len(b) == 1
+    assert plan_micro_batches([20], 10) == [[0]]  # longer than the budget: alone
+    with pytest.raises(ValueError, match="token_budget"):
+        plan_micro_batches([1], 0)
+
+
+def test_pack_aligns_targets_mask_and_versions():
+    t = Trajectory(Sample("a", "q", "1", "d"), "g", [10, 11, 12], [20, 21], [-1.0, -2.0], [3, 4])
+    pb = pack([t], torch.tensor([0.5]), [0])
+    assert pb.input_ids.tolist() == [[10, 11, 12, 20, 21]]
+    assert pb.position_ids.tolist() == [[0, 1, 2, 3, 4]]
+    # position 2 predicts 20, position 3 predicts 21
+    assert pb.targets.tolist() == [[11, 12, 20, 21, 0]]
+    assert pb.mask.tolist() == [[0, 0, 1, 1, 0]]
+    assert pb.behaviour_logprobs.tolist() == [[0, 0, -1.0, -2.0, 0]]
+    assert pb.versions.tolist() == [[-1, -1, 3, 4, -1]]
+    assert pb.advantages.tolist() == [[0, 0, 0.5, 0.5, 0]]
+    bad = Trajectory(Sample("b", "q", "1", "d"), "g", [1], [2, 3], [-1.0], [0, 0])
+    with pytest.raises(ValueError, match="differ in length"):
+        pack([bad], torch.tensor([0.0]), [0])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_packed_chunked_logprobs_match_unpacked_full_softmax(tiny, temperature):
+    trajs = make_trajs(5)
+    pb = pack(trajs, torch.zeros(5), list(range(5)))
+    lp, ent = token_logprobs(tiny.model, pb.input_ids, pb.position_ids, pb.targets,
+                             temperature=temperature, chunk_tokens=3, with_entropy=True, mask=pb.mask)
+    got = lp[pb.mask > 0]
+    ref = torch.cat([reference_logprobs(tiny.model, t, temperature) for t in trajs])
+    assert torch.allclose(got, ref, atol=1e-5)
+    assert (lp[pb.mask == 0] == 0).all()
+    # entropy of a 49k-way distribution: positive and at most log V
+    e = ent[pb.mask > 0]
+    assert (e > 0).all() and (e <= math.log(tiny.model.config.vocab_size) + 1e-4).all()
+
+
+def test_advantages_and_staleness_metrics():
+    trajs = make_trajs(8, group=4)
+    adv = compute_advantages(trajs, "grpo")
+    for g in range(2):
+        assert abs(float(adv[g * 4:(g + 1) * 4].sum())) < 1e-5
+    assert torch.allclose(compute_advantages(trajs, "reinforce").sum(), torch.tensor(0.0), atol=1e-5)
+    with pytest.raises(ValueError, match="loss.advantage"):
+        compute_advantages(trajs, "nope")
+    trajs[0].versions = [1, 1, 3]
+    trajs[0].response_ids = trajs[0].response_ids[:3]
+    m = staleness_metrics(trajs[:2], version=3)  # lags from the oldest token: 2 and 3
+    assert m["staleness/max"] == 3 and m["staleness/mean"] == 2.5
+    assert m["staleness/multi_version_share"] == 0.5
+
+
+@pytest.mark.parametrize("loss", ["decoupled_ppo", "ppo"])
+def test_gradient_identical_with_one_and_four_micro_batches(tiny, loss):
+    """Global token-mean: the accumulated gradient does not depend on the micro-batch split."""
+    trajs = make_trajs(8)
+    g = torch.Generator().manual_seed(1)
+    for t in trajs:  # behaviour log-probs near the model's own, so ratios are moderate
+        ref = reference_logprobs(tiny.model, t)
+        t.behaviour_logprobs = (ref + 0.1 * torch.randn(ref.shape, generator=g)).tolist()
+    grads = []
+    for budget in (10_000, 0):
+        model = copy.deepcopy(tiny.model)
+        tc = TrainerConfig(lr=1e-3, bf16=False, grad_clip=None, warmup_steps=0,
+                           micro_batch_tokens=10_000 if budget else 24)
+        tr = Trainer(model, tc, LossConfig(name=loss, behaviour_weight_cap=None))
+        captured = {}
+        orig_step = tr.optimizer.step
+
+        def step(*a, _orig=orig_step, _m=model, **k):
+            captured["g"] = torch.cat([p.grad.flatten() for p in _m.parameters() if p.grad is not None]).clone()
+            return _orig(*a, **k)
+
+        tr.optimizer.step = step
+        metrics = tr.train_step(trajs)
+        grads.append((captured["g"], metrics))
+    (g1, m1), (g4, m4) = grads
+    assert m1["train/micro_batches"] == 1 and m4["train/micro_batches"] >= 4
+    assert torch.allclose(g1, g4, atol=1e-6, rtol=1e-4)
+    assert math.isclose(m1["loss/loss"], m4["loss/loss"], rel_tol=1e-5, abs_tol=1e-7)
+
+
+def test_train_step_increments_version_changes_weights_and_reports(tiny):
+    model = copy.deepcopy(tiny.model)
+    before = [p.detach().clone() for p in model.parameters()]
+    tr = Trainer(model, TrainerConfig(lr=1e-3, warmup_steps=0), LossConfig())
+    m = tr.train_step(make_trajs(8))
+    assert tr.version == 1
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    for key in ("loss/loss", "loss/clip_low_frac", "loss/behaviour_weight_mean", "train/grad_norm",
+                "train/entropy", "staleness/max", "reward/mean", "train/tokens_per_s"):
+        assert key in m and math.isfinite(m[key]), key
+    upd = tr.weight_update()
+    assert upd.version == 1
+    name, t = next(iter(upd.tensors.items()))
+    assert t.data_ptr() != model.state_dict()[name].data_ptr()  # a copy, never shared
+
+
+def test_nonfinite_steps_skipped_then_stop(tiny):
+    model = copy.deepcopy(tiny.model)
+    tr = Trainer(model, TrainerConfig(lr=1e-3, warmup_steps=0, max_nonfinite_in_a_row=2, bf16=False),
+                 LossConfig(name="ppo"))
+    trajs = make_trajs(4)
+    for t in trajs:
+        t.reward = float("nan")
+    with pytest.raises(ValueError):  # NaN rewards are rejected by the advantage estimator
+        tr.train_step(trajs)
+    trajs = make_trajs(4)
+    for t in trajs:
+        t.behaviour_logprobs = [float("-inf")] * len(t.response_ids)
+    before = [p.detach().clone() for p in model.parameters()]
+    orig = tr._logprobs
+
+    def poisoned(model_, mb, with_entropy=False):
+        lp, ent = orig(model_, mb, with_entropy)
+        return lp * float("nan"), ent
+
+    tr._logprobs = poisoned
+    m = tr.train_step(make_trajs(4))
+    assert m["train/skipped_nonfinite"] == 1.0 and tr.version == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(NonFiniteLossError, match="max_nonfinite_in_a_row"):
+        tr.train_step(make_trajs(4))
+
+
+def test_checkpoint_state_round_trip(tiny):
+    m1 = copy.deepcopy(tiny.model)
+    tr = Trainer(m1, TrainerConfig(lr=1e-3, warmup_steps=1), LossConfig())
+    tr.train_step(make_trajs(8))
+    state = copy.deepcopy(tr.state_dict())
+    tr2 = Trainer(copy.deepcopy(tiny.model), TrainerConfig(lr=1e-3, warmup_steps=1), LossConfig())
+    tr2.load_state_dict(state)
+    assert tr2.version == 1
+    tr.train_step(make_trajs(8, seed=1))
+    tr2.train_step(make_trajs(8, seed=1))
+    for a, b in zip(tr.model.parameters(), tr2.model.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_reused_proximal_forward_equals_separate_pass(tiny):
+    """With one optimizer step per batch, pi_prox from the gradient pass (detached) equals a
+    separate no-grad forward pass with the same parameters (AReaL's recompute)."""
+    trajs = make_trajs(8)
+    results = []
+    for separate in (False, True):
+        model = copy.deepcopy(tiny.model)
+        tc = TrainerConfig(lr=1e-3, bf16=False, warmup_steps=0, separate_proximal_pass=separate)
+        tr = Trainer(model, tc, LossConfig(name="decoupled_ppo", behaviour_weight_cap=None))
+        m = tr.train_step(trajs)
+        results.append((m, [p.detach().clone() for p in model.parameters()]))
+    (m1, p1), (m2, p2) = results
+    assert m1["time/proximal_s"] < m2["time/proximal_s"]  # the separate pass did run
+    assert m1["loss/behaviour_weight_mean"] == pytest.approx(m2["loss/behaviour_weight_mean"], rel=1e-5)
+    for a, b in zip(p1, p2):
+        assert torch.allclose(a, b, atol=1e-6)
