@@ -11,7 +11,12 @@ import torch
 from conveyor.config import LossConfig, TrainerConfig
 from conveyor.trainer.batch import pack, plan_micro_batches
 from conveyor.trainer.logprobs import token_logprobs
-from conveyor.trainer.trainer import NonFiniteLossError, Trainer, compute_advantages, staleness_metrics
+from conveyor.trainer.trainer import (
+    NonFiniteLossError,
+    Trainer,
+    compute_advantages,
+    staleness_metrics,
+)
 from conveyor.types import Sample, Trajectory
 
 
@@ -39,12 +44,17 @@ def reference_logprobs(model, traj, temperature=1.0):
 
 def test_plan_micro_batches_covers_each_index_once_within_budget():
     lengths = [5, 9, 3, 7, 2, 8, 12]
-    plan = plan_micro_batches(lengths, 12)
-    flat = sorted(i for b in plan for i in b)
+    plan = plan_micro_batches(lengths, 24, row_tokens=12)
+    flat = sorted(i for mb in plan for row in mb for i in row)
     assert flat == list(range(len(lengths)))
-    for b in plan:
-        assert sum(lengths[i] for i in b) <= 12 or len(b) == 1
-    assert plan_micro_batches([20], 10) == [[0]]  # longer than the budget: alone
+    for mb in plan:
+        row_lens = [sum(lengths[i] for i in row) for row in mb]
+        assert all(x <= 12 for x in row_lens)
+        assert max(row_lens) * len(mb) <= 24 or len(mb) == 1
+    # without row_tokens: one row per micro-batch, within the budget
+    for mb in plan_micro_batches(lengths, 12):
+        assert len(mb) == 1 and (sum(lengths[i] for i in mb[0]) <= 12 or len(mb[0]) == 1)
+    assert plan_micro_batches([20], 10) == [[[0]]]  # longer than the budget: alone
     with pytest.raises(ValueError, match="token_budget"):
         plan_micro_batches([1], 0)
 
@@ -65,10 +75,22 @@ def test_pack_aligns_targets_mask_and_versions():
         pack([bad], torch.tensor([0.0]), [0])
 
 
+def test_pack_rows_pad_with_a_separate_segment():
+    a = Trajectory(Sample("a", "q", "1", "d"), "g", [10, 11], [20, 21, 22], [-1.0] * 3, [0] * 3)
+    b = Trajectory(Sample("b", "q", "1", "d"), "g", [12], [23], [-2.0], [1])
+    pb = pack([a, b], torch.tensor([1.0, -1.0]), [[0], [1]])
+    assert pb.input_ids.shape == (2, 5)
+    assert pb.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 1, 2]]  # padding restarts at 0
+    assert pb.mask.tolist() == [[0, 1, 1, 1, 0], [1, 0, 0, 0, 0]]
+    assert pb.seq_index.tolist() == [[0, 0, 0, 0, 0], [1, 1, -1, -1, -1]]
+    assert pb.advantages.tolist() == [[0, 1, 1, 1, 0], [-1, 0, 0, 0, 0]]
+    assert pb.indices == [0, 1]
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_packed_chunked_logprobs_match_unpacked_full_softmax(tiny, temperature):
     trajs = make_trajs(5)
-    pb = pack(trajs, torch.zeros(5), list(range(5)))
+    pb = pack(trajs, torch.zeros(5), [[0, 1], [2, 3, 4]])  # two packed rows, the first padded
     lp, ent = token_logprobs(tiny.model, pb.input_ids, pb.position_ids, pb.targets,
                              temperature=temperature, chunk_tokens=3, with_entropy=True, mask=pb.mask)
     got = lp[pb.mask > 0]
@@ -107,12 +129,12 @@ def test_gradient_identical_with_one_and_four_micro_batches(tiny, loss):
     for budget in (10_000, 0):
         model = copy.deepcopy(tiny.model)
         tc = TrainerConfig(lr=1e-3, bf16=False, grad_clip=None, warmup_steps=0,
-                           micro_batch_tokens=10_000 if budget else 24)
+                           micro_batch_tokens=10_000 if budget else 24, pack_row_tokens=24 if not budget else 64)
         tr = Trainer(model, tc, LossConfig(name=loss, behaviour_weight_cap=None))
         captured = {}
         orig_step = tr.optimizer.step
 
-        def step(*a, _orig=orig_step, _m=model, **k):
+        def step(*a, _orig=orig_step, _m=model, captured=captured, **k):
             captured["g"] = torch.cat([p.grad.flatten() for p in _m.parameters() if p.grad is not None]).clone()
             return _orig(*a, **k)
 

@@ -94,6 +94,7 @@ class TrainerConfig(_Strict):
     schedule: Literal["constant", "cosine"] = "constant"
     minibatches: int = Field(default=1, ge=1, description="optimiser steps per batch")
     micro_batch_tokens: int = Field(default=4096, ge=16, description="token budget of one packed micro-batch")
+    pack_row_tokens: int = Field(default=512, ge=16, description="tokens per packed row (attention cost grows with the square of a row's length)")
     logprob_chunk_tokens: int = Field(default=512, ge=1, description="tokens per chunk of the vocabulary projection")
     bf16: bool = Field(default=True, description="bf16 autocast for forward/backward (parameters stay fp32)")
     max_nonfinite_in_a_row: int = Field(default=3, ge=1)
@@ -107,10 +108,12 @@ class RunConfig(_Strict):
     dir: str | None = Field(default=None, description="run directory (default runs/<timestamp>)")
     seed: int = 0
     checkpoint_every: int = Field(default=10, ge=1, description="steps")
+    keep_checkpoints: int = Field(default=1, ge=1, description="newest checkpoints kept on disk")
     eval_before: bool = True
     eval_after: bool = True
     eval_max_new_tokens: int = Field(default=128, ge=1)
     progress: bool = True
+    export: bool = Field(default=True, description="save the final policy as a Hugging Face directory run_dir/export (usable as --model)")
 
 
 class TrainConfig(_Strict):

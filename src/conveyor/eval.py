@@ -158,7 +158,14 @@ def evaluate(
 
     t0 = time.perf_counter()
     if progress:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         with Progress(
             TextColumn("eval {task.description}"), BarColumn(), MofNCompleteColumn(),

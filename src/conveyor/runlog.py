@@ -41,6 +41,17 @@ class MetricsLogger:
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
 
+    def trained(self, step: int, batch) -> None:
+        """Append to ``trained.jsonl`` which trajectory groups (and samples, versions) the update
+        that produced policy version ``step`` consumed: an audit trail showing that no trajectory
+        is trained twice, across resumes too."""
+        groups: dict[str, dict] = {}
+        for t in batch:
+            g = groups.setdefault(t.group_id, {"group": t.group_id, "sample": t.sample.id, "oldest_version": t.oldest_version})
+            g["oldest_version"] = min(g["oldest_version"], t.oldest_version)
+        with (self.run_dir / "trained.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step, "groups": list(groups.values())}) + "\n")
+
     def event(self, kind: str, **fields) -> None:
         """Record a discrete event (checkpoint, resume, skipped step, eval, ...)."""
         self._events.write(json.dumps({"time": time.time(), "event": kind, **fields}) + "\n")

@@ -253,7 +253,14 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
     last_eng = eng0
     last_t = t_start
     total = cfg.trainer.total_steps
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     bar = Progress(
         TextColumn("[bold]train[/] step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
@@ -295,6 +302,7 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
                 })
                 last_eng, last_t = eng, now
                 logger.log(trainer.version, metrics)
+                logger.trained(trainer.version, batch)
                 if metrics["train/skipped_nonfinite"]:
                     logger.event("skipped_nonfinite", version=trainer.version)
                 bar.update(step_task, completed=trainer.version, info=(
@@ -308,7 +316,7 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
                         f"staleness {metrics['staleness/mean']:.2f} gen {metrics['throughput/generated_tokens_per_s']:.0f} tok/s "
                         f"busy trainer {metrics['busy/trainer']:.2f} engine {metrics['busy/engine']:.2f} ({wall:.0f} s)")
                 if trainer.version % cfg.run.checkpoint_every == 0:
-                    p = save_checkpoint(run_dir, trainer, controller)
+                    p = save_checkpoint(run_dir, trainer, controller, keep=cfg.run.keep_checkpoints)
                     logger.event("checkpoint", path=str(p), version=trainer.version)
     except BaseException as e:  # still write a checkpoint: nothing already computed is lost
         error = e
@@ -317,7 +325,7 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
         controller.stop()
         if trainer.version > 0 and not isinstance(error, KeyboardInterrupt | SystemExit) or interrupted:
             try:
-                p = save_checkpoint(run_dir, trainer, controller)
+                p = save_checkpoint(run_dir, trainer, controller, keep=cfg.run.keep_checkpoints)
                 logger.event("checkpoint", path=str(p), version=trainer.version, final=True)
             except Exception:
                 log.exception("final checkpoint failed")
@@ -338,6 +346,11 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
         console.print(f"  pass@1 after: [bold]{after:.3f}[/]  format rate {res.format_rate:.3f}")
     engine.stop()
     reward_service.close()
+    if cfg.run.export and trainer.version > 0:
+        export_dir = run_dir / "export"
+        policy.save_pretrained(str(export_dir))
+        tokenizer.save_pretrained(str(export_dir))
+        logger.event("export", path=str(export_dir), version=trainer.version)
     summary = {
         "run_dir": str(run_dir), "steps": trainer.version, "heldout_before": before, "heldout_after": after,
         "wall_seconds": wall, "interrupted": interrupted, "trainer_busy": trainer_busy / max(wall, 1e-9),

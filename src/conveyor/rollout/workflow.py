@@ -10,7 +10,7 @@ reject the episode. The infrastructure (controller, staleness bound, buffer) nev
 from __future__ import annotations
 
 import asyncio
-import itertools
+import uuid
 from typing import Protocol, runtime_checkable
 
 from conveyor.prompts import build_prompt_ids
@@ -49,7 +49,6 @@ class SingleTurnMathWorkflow:
         self.params = params
         self.group_size = group_size
         self.instruction = instruction
-        self._group_counter = itertools.count()
 
     async def run_episode(self, engine, sample: Sample) -> list[Trajectory] | None:
         """Sample ``group_size`` responses concurrently and score them.
@@ -63,7 +62,7 @@ class SingleTurnMathWorkflow:
         if all(o.finish_reason == "abort" for o in outs):
             return None
         results = await asyncio.gather(*[self.reward_service.score(o.text, sample) for o in outs])
-        group_id = f"{sample.id}#{next(self._group_counter)}"
+        group_id = f"{sample.id}#{uuid.uuid4().hex[:12]}"  # unique across processes and resumes
         trajs = []
         for o, r in zip(outs, results, strict=True):
             correct = await asyncio.to_thread(correctness_reward, o.text, sample)

@@ -52,18 +52,18 @@ def token_logprobs(
 
     Args:
         model: A causal LM (transformers ``PreTrainedModel``).
-        input_ids: ``[1, L]`` int64 packed token ids.
-        position_ids: ``[1, L]`` int64, restarting at 0 per sequence (block-diagonal attention).
-        targets: ``[1, L]`` int64 next-token ids.
+        input_ids: ``[R, L]`` int64 packed token ids (R rows).
+        position_ids: ``[R, L]`` int64, restarting at 0 per sequence (block-diagonal attention).
+        targets: ``[R, L]`` int64 next-token ids.
         temperature: Sampling temperature T > 0 the rollouts used.
         chunk_tokens: Positions per lm_head chunk (memory / speed trade-off).
         with_entropy: Also return the per-token entropy (nats) of ``softmax(logits / T)``,
             computed without gradient.
-        mask: Optional ``[1, L]``; only positions with mask > 0 are projected (others get 0),
+        mask: Optional ``[R, L]``; only positions with mask > 0 are projected (others get 0),
             which skips the vocabulary projection of prompt tokens.
 
     Returns:
-        ``(logprobs [1, L] float32, entropy [1, L] float32 or None)``. Gradients flow into
+        ``(logprobs [R, L] float32, entropy [R, L] float32 or None)``. Gradients flow into
         ``logprobs`` when grad is enabled.
 
     Raises:
@@ -72,16 +72,17 @@ def token_logprobs(
     if input_ids.shape != position_ids.shape or input_ids.shape != targets.shape or input_ids.dim() != 2:
         raise ValueError(
             f"input_ids {tuple(input_ids.shape)}, position_ids {tuple(position_ids.shape)} and targets "
-            f"{tuple(targets.shape)} must all be [1, L]"
+            f"{tuple(targets.shape)} must all be [R, L]"
         )
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     body, head = _body_and_head(model)
-    hidden = body(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state[0]
-    L = hidden.shape[0]
-    sel = torch.arange(L) if mask is None else mask[0].nonzero().squeeze(-1)
+    R, L = input_ids.shape
+    hidden = body(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    hidden = hidden.reshape(R * L, -1)
+    sel = torch.arange(R * L) if mask is None else mask.reshape(-1).nonzero().squeeze(-1)
     h = hidden.index_select(0, sel)
-    tg = targets[0].index_select(0, sel)
+    tg = targets.reshape(-1).index_select(0, sel)
     inv_t = 1.0 / temperature
     parts = []
     ents = []
@@ -96,10 +97,10 @@ def token_logprobs(
             with torch.no_grad():
                 ents.append(_chunk_entropy(hs.detach(), head.weight.detach(), inv_t))
     lp_sel = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
-    out = torch.zeros(L, dtype=torch.float32, device=hidden.device).index_put((sel,), lp_sel)
+    out = torch.zeros(R * L, dtype=torch.float32, device=hidden.device).index_put((sel,), lp_sel)
     ent = None
     if with_entropy:
         e_sel = torch.cat(ents) if ents else hidden.new_zeros(0, dtype=torch.float32)
-        ent = torch.zeros(L, dtype=torch.float32, device=hidden.device).index_put((sel,), e_sel)
-        ent = ent.unsqueeze(0)
-    return out.unsqueeze(0), ent
+        ent = torch.zeros(R * L, dtype=torch.float32, device=hidden.device).index_put((sel,), e_sel)
+        ent = ent.reshape(R, L)
+    return out.reshape(R, L), ent

@@ -142,8 +142,8 @@ class Trainer:
         metrics: dict[str, float] = staleness_metrics(trajectories, self.version)
         advantages = compute_advantages(trajectories, lc.advantage)
         lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
-        plan = plan_micro_batches(lengths, cfg.micro_batch_tokens)
-        mbs = [pack(trajectories, advantages, idx) for idx in plan]
+        plan = plan_micro_batches(lengths, cfg.micro_batch_tokens, cfg.pack_row_tokens)
+        mbs = [pack(trajectories, advantages, rows) for rows in plan]
 
         # proximal log-probs: the parameters just before the update (AReaL eq. 5)
         prox: list[torch.Tensor | None] = [None] * len(mbs)
