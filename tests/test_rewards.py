@@ -566,3 +566,16 @@ def test_service_close_fails_queued_calls_and_lets_running_ones_finish(helpers) 
     cancelled = queued.result(timeout=5)
     assert cancelled.failed and cancelled.error == "service closed"
     assert svc.stats["cancelled"] == 1
+
+
+@pytest.mark.parametrize("response, reference, expected", [
+    ("Answer: 91 + 88", "179", False),       # an operation left for the reader is not a value
+    ("Answer: 10 × 22", "220", False),
+    ("Answer: 27 - 7", "20", False),
+    ("\\boxed{8 \\times 3}", "24", False),
+    ("So 91 + 88 = 179", "179", True),       # the last number is the computed value
+    ("Answer: 1/2", "0.5", True),            # fractions are values
+    ("Answer: -5", "-5", True),
+])
+def test_unevaluated_expressions_are_not_answers(response, reference, expected):
+    assert is_correct(response, reference) is expected

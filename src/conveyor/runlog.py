@@ -14,9 +14,11 @@ class MetricsLogger:
     Args:
         run_dir: The run directory (created if missing).
         tensorboard: Write TensorBoard event files under ``run_dir/tb``.
+        samples_per_step: Responses per step copied to ``samples.jsonl``.
     """
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, samples_per_step: int = 2):
+        self.samples_per_step = samples_per_step
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -51,6 +53,13 @@ class MetricsLogger:
             g["oldest_version"] = min(g["oldest_version"], t.oldest_version)
         with (self.run_dir / "trained.jsonl").open("a") as f:
             f.write(json.dumps({"step": step, "groups": list(groups.values())}) + "\n")
+        # a few responses per step, to read what the policy actually writes
+        with (self.run_dir / "samples.jsonl").open("a") as f:
+            for t in batch[: self.samples_per_step]:
+                f.write(json.dumps({
+                    "step": step, "sample": t.sample.id, "question": t.sample.question, "answer": t.sample.answer,
+                    "response": t.text, "reward": t.reward, "correct": t.correct, "versions": sorted(set(t.versions)),
+                }) + "\n")
 
     def event(self, kind: str, **fields) -> None:
         """Record a discrete event (checkpoint, resume, skipped step, eval, ...)."""

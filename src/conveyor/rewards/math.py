@@ -363,9 +363,28 @@ def is_correct(response: str, reference: str) -> bool:
     if not isinstance(reference, str):
         raise TypeError(f"reference must be a str, got {type(reference).__name__}")
     extracted = extract_answer(response)
-    if extracted is None:
+    if extracted is None or is_unevaluated_expression(extracted.raw):
         return False
     return answers_match(extracted.raw, reference)
+
+
+# Two numbers joined by an arithmetic operator: "91 + 88", "10 × 22", "45 - 9", "3*4", "8 \\times 3".
+# A slash between two plain integers ("1/2") is a fraction and stays allowed, as is \\frac.
+_UNEVALUATED_RE = re.compile(
+    r"\d\s*(?:[+×*÷]|\\times|\\cdot|\\div)\s*-?\d|\d\s+[-−]\s*\d|\d\s*[-−]\s+\d"
+)
+
+
+def is_unevaluated_expression(answer: str) -> bool:
+    """True when a final answer is an arithmetic expression left for the reader to compute
+    (``"91 + 88"``, ``"10 × 22"``, ``"27 - 7"``), not a value.
+
+    math-verify evaluates such expressions symbolically and would call ``"91 + 88"`` equal to
+    ``"179"``; a policy trained with that verifier learns to write the operation instead of the
+    result (observed on MAWPS with SmolLM2-135M). Fractions (``1/2``, ``\\frac{1}{2}``) and
+    negative numbers (``-5``) are values and are not matched.
+    """
+    return bool(_UNEVALUATED_RE.search(answer))
 
 
 _FINAL_ANSWER_LINE_RE = re.compile(r"^\W*answer\W*:\s*\S", re.IGNORECASE)
