@@ -83,3 +83,10 @@ def test_pass_at_k_rejects_bad_arguments():
     for args in [(0, 0, 1), (3, 4, 1), (3, 1, 4), (3, 1, 0)]:
         with pytest.raises(ValueError, match="pass_at_k"):
             pass_at_k(*args)
+
+
+def test_shipped_default_config_file_matches_the_code_defaults():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+    assert load_config(path) == TrainConfig()

@@ -84,3 +84,27 @@ def test_resume_without_checkpoint_and_existing_run_dir_errors(tmp_path):
     run_training(cfg)
     with pytest.raises(FileExistsError, match="--resume"):
         run_training(cfg)
+
+
+def test_dynamic_filtering_never_hangs_and_reports(tmp_path):
+    # the tiny random model never answers correctly: every group has all-equal rewards
+    cfg = load_config(None, BASE + ["trainer.total_steps=2", "rollout.filter_all_equal=true",
+                                    "rollout.max_filtered_in_a_row=2", "reward.fn=correctness",
+                                    f"run.dir={tmp_path / 'r'}", "run.eval_before=false", "run.eval_after=false"])
+    res = run_training(cfg)
+    assert res.steps == 2
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["controller"]["rollout/groups_filtered"] >= 2
+    assert summary["controller"]["rollout/filter_cap_hits"] >= 1
+
+
+def test_reward_exceptions_and_timeouts_do_not_stop_training(tmp_path):
+    cfg = load_config(None, BASE + ["trainer.total_steps=3", "rollout.group_size=4", "trainer.batch_size=2",
+                                    "reward.fn=conveyor.rewards.faults:flaky_math_reward", "reward.timeout_s=0.5",
+                                    "reward.failure_score=-1.0", "reward.workers=2",
+                                    f"run.dir={tmp_path / 'r'}", "run.eval_before=false", "run.eval_after=false"])
+    res = run_training(cfg)
+    assert res.steps == 3
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["rollout/reward_failures"] > 0  # some injected failures happened and were counted
+    assert all(r["reward/mean"] >= -1.0 for r in rows)

@@ -24,6 +24,13 @@ app = typer.Typer(
 console = Console()
 
 
+def _slug(text: str) -> str:
+    """A file-name-safe version of a model / dataset reference."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9._=-]+", "_", text.strip("/")).strip("_")[:120] or "x"
+
+
 def _fail(msg: str, code: int = 2) -> None:
     console.print(f"[bold red]error:[/] {msg}")
     raise typer.Exit(code)
@@ -50,8 +57,16 @@ def eval_cmd(
     from conveyor.data import DatasetError, load_dataset
     from conveyor.eval import evaluate
     from conveyor.models import ModelLoadError, load_model
-    from conveyor.rollout.engine import InferenceEngine
+    from conveyor.rollout.engine import InferenceEngine, SamplingParams
 
+    if k < 1 or (samples is not None and samples < k):
+        _fail(f"need 1 <= --k <= --samples; got --k {k}, --samples {samples}")
+    if batch_size < 1:
+        _fail(f"--batch-size must be >= 1, got {batch_size}")
+    try:
+        SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    except ValueError as e:
+        _fail(str(e))
     if temperature == 0 and (samples or k) > 1:
         console.print("[yellow]note:[/] temperature 0 is greedy: all samples of a problem are identical")
     try:
@@ -75,11 +90,11 @@ def eval_cmd(
         _fail(str(e))
     finally:
         engine.stop()
-    out = output or Path("runs") / "eval" / f"{Path(model).name}_{dataset.replace(':', '_').replace('/', '_')}.json"
+    out = output or Path("runs") / "eval" / f"{_slug(model)}__{_slug(dataset)}.json"
     res.write_json(out)
     summ = res.summary()
     console.print_json(json.dumps(summ))
-    console.print(f"written to {out}")
+    console.print(f"written to {out}", soft_wrap=True)
 
 
 @app.command("train")
@@ -91,12 +106,16 @@ def train_cmd(
 ) -> None:
     """Asynchronous RL training (default: SmolLM2-135M-Instruct on MAWPS singleop, eta = 2)."""
     from conveyor.config import ConfigError, load_config
+    from conveyor.data import DatasetError
+    from conveyor.models import ModelLoadError
     from conveyor.train import load_run_config, run_training
 
     ov = list(overrides or [])
     if config is not None and "=" in str(config):  # `conveyor train key=value` without a file
         ov.insert(0, str(config))
         config = None
+    if resume and config is not None:
+        _fail(f"--resume uses the run's saved config; pass changes as key=value overrides, not a file ({config})")
     try:
         cfg = load_run_config(resume, ov) if resume else load_config(config, ov)
     except (ConfigError, FileNotFoundError) as e:
@@ -105,8 +124,12 @@ def train_cmd(
                         handlers=[logging.FileHandler("/dev/null")] if quiet else None)
     try:
         res = run_training(cfg, resume_dir=resume, console=console)
-    except (FileExistsError, FileNotFoundError) as e:
+    except (FileExistsError, FileNotFoundError, ModelLoadError, DatasetError, ConfigError) as e:
         _fail(str(e))
+    except (ValueError, ImportError, AttributeError, TypeError) as e:
+        if "reward" in str(e) or "--resume" in str(e):  # bad reward.fn path, incompatible resume
+            _fail(str(e))
+        raise
     console.print(f"[bold]run directory:[/] {res.run_dir}  (steps {res.steps}, {res.wall_seconds:.0f} s, "
                   f"trainer busy {res.trainer_busy:.2f}, engine busy {res.engine_busy:.2f})")
     if res.heldout_before is not None or res.heldout_after is not None:

@@ -195,8 +195,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 import yaml
 
                 data = yaml.safe_load(text) or {}
-            else:
+            elif p.suffix == ".json":
                 data = json.loads(text)
+            else:
+                raise ConfigError(f"config file {p}: unsupported extension {p.suffix!r} (use .yaml, .yml or .json)")
+        except ConfigError:
+            raise
         except Exception as e:  # yaml.YAMLError / json.JSONDecodeError carry the line
             raise ConfigError(f"cannot parse config file {p}: {e}") from e
         if not isinstance(data, dict):

@@ -117,14 +117,28 @@ def resolve_threads(cfg: TrainConfig) -> tuple[int, int]:
 
 
 def _make_run_dir(cfg: TrainConfig) -> Path:
+    """Create the run directory: ``run.dir``, or ``runs/<timestamp>-<pid>`` (unique even for
+    runs started in the same second). Refuses a directory that already holds a run."""
     if cfg.run.dir:
         p = Path(cfg.run.dir)
     else:
-        p = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    if (p / CHECKPOINTS).is_dir() and _latest_checkpoint(p) is not None:
-        raise FileExistsError(f"run directory {p} already holds checkpoints: use `conveyor train --resume {p}` or another run.dir")
+        p = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    if (p / "metrics.jsonl").exists() or _latest_checkpoint(p) is not None:
+        raise FileExistsError(f"run directory {p} already holds a run: use `conveyor train --resume {p}` or another run.dir")
     p.mkdir(parents=True, exist_ok=True)
     return p
+
+
+# keys a resumed run must keep (the checkpoint was made with them)
+_FIXED_ON_RESUME = (("model", "name"), ("run", "dir"), ("rollout", "group_size"), ("trainer", "batch_size"))
+
+
+def _check_resume_compatible(run_dir: Path, cfg: TrainConfig) -> None:
+    saved = load_config(run_dir / "config.json")
+    for section, key in _FIXED_ON_RESUME:
+        old, new = getattr(getattr(saved, section), key), getattr(getattr(cfg, section), key)
+        if old != new:
+            raise ValueError(f"--resume {run_dir}: {section}.{key} cannot change on resume (checkpoint has {old!r}, got {new!r})")
 
 
 def _heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logger: MetricsLogger, run_dir: Path, progress: bool):
@@ -158,32 +172,26 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
     from rich.console import Console
 
     console = console or Console()
+    ckpt = None
     if resume_dir is not None:
         run_dir = Path(resume_dir)
         ckpt = _latest_checkpoint(run_dir)
         if ckpt is None:
             raise FileNotFoundError(f"--resume {run_dir}: no finished checkpoint under {run_dir / CHECKPOINTS}")
-    else:
-        run_dir = _make_run_dir(cfg)
-        ckpt = None
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    logger = MetricsLogger(run_dir)
-    handler = logging.FileHandler(run_dir / "train.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger("conveyor").addHandler(handler)
-    logging.getLogger("conveyor").setLevel(logging.INFO)
+        _check_resume_compatible(run_dir, cfg)
 
+    # Everything that can fail on bad input is loaded before the run directory is touched, so a
+    # typo never leaves a stray directory or a rewritten config behind.
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
     engine_threads, trainer_threads = resolve_threads(cfg)
     torch.set_num_threads(trainer_threads)
-
+    reward_fn = load_reward_fn(cfg.reward.fn)
+    train_samples = load_dataset(cfg.data.train, split_seed=cfg.data.split_seed)
+    heldout = load_dataset(cfg.data.heldout, split_seed=cfg.data.split_seed, limit=cfg.data.heldout_limit) if cfg.data.heldout else []
     lm = load_model(cfg.model.name, seed=cfg.model.seed)
     tokenizer = lm.tokenizer
     policy = lm.model
-    train_samples = load_dataset(cfg.data.train, split_seed=cfg.data.split_seed)
-    heldout = load_dataset(cfg.data.heldout, split_seed=cfg.data.split_seed, limit=cfg.data.heldout_limit) if cfg.data.heldout else []
-
     trainer = Trainer(policy, cfg.trainer, cfg.loss, temperature=cfg.rollout.temperature)
     state = None
     if ckpt is not None:
@@ -191,6 +199,20 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
         state = torch.load(ckpt / "state.pt", weights_only=False)
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
+        if trainer.version >= cfg.trainer.total_steps:
+            console.print(f"{run_dir} is already at version {trainer.version} >= trainer.total_steps="
+                          f"{cfg.trainer.total_steps}; to train longer: conveyor train --resume {run_dir} "
+                          f"trainer.total_steps=N")
+    else:
+        run_dir = _make_run_dir(cfg)
+
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    logger = MetricsLogger(run_dir)
+    handler = logging.FileHandler(run_dir / "train.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("conveyor").addHandler(handler)
+    logging.getLogger("conveyor").setLevel(logging.INFO)
+    if ckpt is not None:
         logger.event("resume", checkpoint=str(ckpt), version=trainer.version)
         console.print(f"[bold]resumed[/] {run_dir} at version {trainer.version} from {ckpt.name}")
 
@@ -200,7 +222,7 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
     engine = InferenceEngine(engine_model, tokenizer, version=trainer.version, max_batch_size=cfg.rollout.max_batch_size,
                              seed=cfg.run.seed + trainer.version, num_threads=engine_threads)
     engine.start()
-    reward_service = RewardService(load_reward_fn(cfg.reward.fn), timeout_s=cfg.reward.timeout_s,
+    reward_service = RewardService(reward_fn, timeout_s=cfg.reward.timeout_s,
                                    failure_score=cfg.reward.failure_score, max_workers=cfg.reward.workers)
     G = cfg.rollout.group_size
     B = cfg.trainer.batch_size * G  # trajectories per update
@@ -357,6 +379,10 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
         "engine_busy": engine_busy, "eta": eta, "controller": controller.counters(),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    st = controller.stats
+    if st.trajectories_accepted and st.reward_failures > 0.5 * st.trajectories_accepted:
+        console.print(f"[bold yellow]warning:[/] {st.reward_failures} of {st.trajectories_accepted} rewards failed "
+                      f"(reward.fn={cfg.reward.fn}); see {run_dir / 'train.log'}")
     try:
         plot_report(run_dir, title=f"{cfg.model.name} on {cfg.data.train}, eta={eta}")
     except Exception:
