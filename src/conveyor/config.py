@@ -85,8 +85,8 @@ class TrainerConfig(_Strict):
     """Optimisation. ``batch_size`` counts prompts (groups) per policy update."""
 
     batch_size: int = Field(default=8, ge=1, description="prompts (groups) per update")
-    total_steps: int = Field(default=60, ge=0)
-    lr: float = Field(default=2e-5, gt=0)
+    total_steps: int = Field(default=45, ge=0)
+    lr: float = Field(default=1e-5, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float | None = Field(default=1.0, gt=0)

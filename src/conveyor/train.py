@@ -112,7 +112,11 @@ def resolve_threads(cfg: TrainConfig) -> tuple[int, int]:
     """
     cores = os.cpu_count() or 1
     engine = cfg.rollout.engine_threads or 1
-    trainer = cfg.trainer.num_threads or max(1, cores - engine)
+    if cfg.asynchronous.eta == 0:
+        # synchronous: the engine idles while the trainer works, so the trainer takes every core
+        trainer = cfg.trainer.num_threads or cores
+    else:
+        trainer = cfg.trainer.num_threads or max(1, cores - engine)
     return engine, trainer
 
 
