@@ -20,8 +20,8 @@ print("steps", rows[-1]["step"], "reward failures", rows[-1]["rollout/reward_fai
       "per-step failed share", [round(r["rollout/reward_failed_share"], 2) for r in rows])
 PY
 
-echo "== 2. non-finite losses (lr 1e6, no clipping): steps skipped, then a clear stop =="
-$C train "${COMMON[@]}" trainer.total_steps=20 trainer.lr=1e6 trainer.grad_clip=null \
+echo "== 2. non-finite losses (lr 1e30, no clipping): steps skipped, then a clear stop =="
+$C train "${COMMON[@]}" trainer.total_steps=20 trainer.lr=1e30 trainer.grad_clip=null reward.fn=conveyor.rewards.faults:response_length_reward \
   trainer.max_nonfinite_in_a_row=3 run.eval_before=false run.dir="$OUT/nonfinite" > "$OUT/nonfinite.log" 2>&1
 echo "exit code $? (non-zero expected)"
 grep -E "NonFiniteLossError|consecutive" "$OUT/nonfinite.log" | tail -2
@@ -33,7 +33,7 @@ $C train "${COMMON[@]}" trainer.total_steps=400 run.checkpoint_every=5 run.eval_
   run.dir="$OUT/killed" > "$OUT/killed.log" 2>&1 &
 PID=$!
 for _ in $(seq 1 600); do
-  n=$(wc -l < "$OUT/killed/metrics.jsonl" 2>/dev/null || echo 0)
+  n=$( (wc -l < "$OUT/killed/metrics.jsonl") 2>/dev/null || echo 0)
   [ "${n:-0}" -ge 12 ] && break
   sleep 0.5
 done

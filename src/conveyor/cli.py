@@ -109,6 +109,7 @@ def train_cmd(
     from conveyor.data import DatasetError
     from conveyor.models import ModelLoadError
     from conveyor.train import load_run_config, run_training
+    from conveyor.trainer.trainer import NonFiniteLossError
 
     ov = list(overrides or [])
     if config is not None and "=" in str(config):  # `conveyor train key=value` without a file
@@ -126,6 +127,8 @@ def train_cmd(
         res = run_training(cfg, resume_dir=resume, console=console)
     except (FileExistsError, FileNotFoundError, ModelLoadError, DatasetError, ConfigError) as e:
         _fail(str(e))
+    except NonFiniteLossError as e:
+        _fail(f"{e}\nThe last state was checkpointed; see events.jsonl in the run directory.", code=1)
     except (ValueError, ImportError, AttributeError, TypeError) as e:
         if "reward" in str(e) or "--resume" in str(e):  # bad reward.fn path, incompatible resume
             _fail(str(e))

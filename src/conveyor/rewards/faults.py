@@ -27,3 +27,10 @@ def flaky_math_reward(response: str, sample: Sample) -> float:
     if h == 1:
         time.sleep(HANG_SECONDS)
     return math_reward(response, sample)
+
+
+def response_length_reward(response: str, sample: Sample) -> float:
+    """Response length in characters / 100: a dense, meaningless reward whose only use is to give
+    every group non-zero advantages (so even a random tiny model gets gradient), e.g. to drive a
+    run into non-finite losses on purpose (``trainer.lr=1e30``)."""
+    return len(response) / 100.0
