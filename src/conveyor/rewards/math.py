@@ -381,9 +381,12 @@ def is_unevaluated_expression(answer: str) -> bool:
 
     math-verify evaluates such expressions symbolically and would call ``"91 + 88"`` equal to
     ``"179"``; a policy trained with that verifier learns to write the operation instead of the
-    result (observed on MAWPS with SmolLM2-135M). Fractions (``1/2``, ``\\frac{1}{2}``) and
-    negative numbers (``-5``) are values and are not matched.
+    result (observed on MAWPS with SmolLM2-135M). Only purely numeric expressions are matched:
+    fractions (``1/2``, ``\\frac{1}{2}``), negative numbers (``-5``) and symbolic answers with
+    letters (``x^2+2x+1``, ``\\sqrt{2}+1``) are values.
     """
+    if re.search(r"[A-Za-z]", re.sub(r"\\(?:times|cdot|div|left|right)", "", answer)):
+        return False  # symbolic answers ("x^2+2x+1", "\\sqrt{2}+1") are values of their own kind
     return bool(_UNEVALUATED_RE.search(answer))
 
 
