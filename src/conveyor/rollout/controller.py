@@ -17,7 +17,7 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from conveyor.rollout.buffer import TrajectoryBuffer
 from conveyor.rollout.staleness import StalenessManager
@@ -94,7 +94,6 @@ class ControllerStats:
     reward_failures: int = 0  # trajectories
     trajectories_accepted: int = 0
     last_error: str | None = None
-    finished: list[Trajectory] = field(default_factory=list, repr=False)
 
 
 class RolloutController:
@@ -190,7 +189,7 @@ class RolloutController:
             data_state = self.data.state_dict()
             data_state["requeue"] = list(self._inflight.values()) + data_state["requeue"]
             groups = self.buffer.snapshot()
-            st = {k: v for k, v in self.stats.__dict__.items() if k != "finished"}
+            st = dict(self.stats.__dict__)
             return {
                 "data": data_state,
                 "buffer": groups,
