@@ -61,11 +61,14 @@ class SingleTurnMathWorkflow:
         outs = await asyncio.gather(*[engine.generate(prompt_ids, self.params) for _ in range(self.group_size)])
         if all(o.finish_reason == "abort" for o in outs):
             return None
-        results = await asyncio.gather(*[self.reward_service.score(o.text, sample) for o in outs])
+        # rewards (worker processes) and the accuracy metric (threads) are computed concurrently
+        results, corrects = await asyncio.gather(
+            asyncio.gather(*[self.reward_service.score(o.text, sample) for o in outs]),
+            asyncio.gather(*[asyncio.to_thread(correctness_reward, o.text, sample) for o in outs]),
+        )
         group_id = f"{sample.id}#{uuid.uuid4().hex[:12]}"  # unique across processes and resumes
         trajs = []
-        for o, r in zip(outs, results, strict=True):
-            correct = await asyncio.to_thread(correctness_reward, o.text, sample)
+        for o, r, correct in zip(outs, results, corrects, strict=True):
             trajs.append(
                 Trajectory(
                     sample=sample,
