@@ -53,6 +53,9 @@ def test_eta_zero_is_synchronous(tmp_path):
         assert all(g["oldest_version"] == r["step"] - 1 for g in r["groups"])
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["staleness/max"] == 0 and r["staleness/multi_version_share"] == 0 for r in rows)
+    # admission itself is synchronous: nothing is generated ahead and thrown away as stale
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["controller"]["rollout/dropped_stale"] == 0
 
 
 def test_resume_continues_version_and_never_retrains(tmp_path):
