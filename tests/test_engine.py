@@ -115,6 +115,7 @@ async def gather_generate(eng, prompts, params):
         (dict(stop=("",)), "stop"),
         (dict(stop_token_ids=(-3,)), "stop_token_ids"),
         (dict(seed=1.5), "seed"),
+        (dict(ignore_eos=1), "ignore_eos"),
     ],
 )
 def test_sampling_params_validation_names_field(kwargs, field):
@@ -356,6 +357,14 @@ def test_eos_ends_generation(ref):
     with InferenceEngine(model, tok) as eng:
         out = eng.generate_batch([prompts[0]], SamplingParams(max_new_tokens=10, temperature=0))[0]
     assert out.token_ids == [tok.eos_token_id] and out.finish_reason == "stop" and out.text == ""
+    # ignore_eos: exactly max_new_tokens tokens (the benchmark's controlled lengths); eos kept as a token
+    with InferenceEngine(model, tok) as eng:
+        out = eng.generate_batch([prompts[0]], SamplingParams(max_new_tokens=7, temperature=0, ignore_eos=True))[0]
+        st = eng.stats()
+    assert out.token_ids == [tok.eos_token_id] * 7 and out.finish_reason == "length"
+    # decode profile: {batch size: [steps, seconds]}; the first token comes from the prefill
+    assert st["decode_profile"][1][0] == 6 and st["decode_profile"][1][1] > 0
+    assert sum(v[0] for v in st["decode_profile"].values()) == st["decode_steps"]
 
 
 def test_generation_config_eos_ids_end_generation(ref):
@@ -572,3 +581,24 @@ def test_decode_thread_crash_fails_requests_and_engine(ref):
     with pytest.raises(RuntimeError, match="failed"):
         eng.start()
     eng.stop()  # still safe to call
+
+
+def test_weight_update_sends_tied_embeddings_once_and_applies_aliases(ref):
+    model, tok = fresh_model()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(1.5)
+    upd = WeightUpdate.from_model(model, version=1)
+    assert upd.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert "lm_head.weight" not in upd.tensors
+    full = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert upd.num_bytes == full - model.lm_head.weight.numel() * 4
+    # an untied receiver gets both tensors
+    recv, _ = fresh_model()
+    recv.lm_head.weight = torch.nn.Parameter(recv.lm_head.weight.detach().clone())
+    eng = InferenceEngine(recv, tok)
+    eng.update_weights(upd)
+    assert torch.equal(recv.lm_head.weight, model.lm_head.weight)
+    assert torch.equal(recv.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    with pytest.raises(KeyError, match="alias"):
+        eng.update_weights(WeightUpdate(version=2, tensors={}, aliases={"lm_head.weight": "nope"}))

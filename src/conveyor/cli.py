@@ -19,7 +19,7 @@ from rich.console import Console
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
-    help="conveyor: asynchronous RL post-training of LLMs (train, eval, datasets).",
+    help="conveyor: asynchronous RL post-training of LLMs (train, eval, datasets, report, simulate).",
 )
 console = Console()
 
@@ -159,6 +159,90 @@ def report_cmd(run_dir: Path) -> None:
     from conveyor.runlog import plot_report
 
     console.print(str(plot_report(run_dir)))
+
+
+@app.command("simulate")
+def simulate_cmd(
+    config: Annotated[Path, typer.Argument(help="simulator YAML/JSON config, or a run directory to calibrate from")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="key=value overrides, e.g. eta=4 rollout.workers=64")] = None,
+    modes: Annotated[str, typer.Option(help="comma-separated modes to compare: sync, one_step, async (async uses eta)")] = "sync,one_step,async",
+    sweep: Annotated[str | None, typer.Option(help="key=v1,v2,... : one row per value, e.g. proximal.devices=0,1,2,4")] = None,
+    write_config: Annotated[Path | None, typer.Option("--write-config", help="save the (calibrated) config as YAML here")] = None,
+    output: Annotated[Path | None, typer.Option(help="write all predictions as JSON here")] = None,
+) -> None:
+    """Predict throughput, idle fractions and staleness with a discrete-event model (simpy).
+
+    CONFIG is a simulator config (see configs/simulate/) or a run directory written by
+    `conveyor train`, from whose trace (engine decode profile, lengths, trainer times) the model
+    is calibrated.
+    """
+    import yaml
+    from rich.table import Table
+
+    from conveyor.simulate import SimConfig, apply_overrides, calibrate, load_sim_config, simulate
+
+    try:
+        if config.is_dir():
+            base = calibrate(config)
+            if overrides:
+                base = SimConfig.model_validate(apply_overrides(base.model_dump(), overrides))
+        else:
+            base = load_sim_config(config, overrides)
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    if write_config is not None:
+        write_config.parent.mkdir(parents=True, exist_ok=True)
+        write_config.write_text(yaml.safe_dump(base.model_dump(), sort_keys=False))
+        console.print(f"config written to {write_config}")
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    for m in mode_list:
+        if m not in ("sync", "one_step", "async"):
+            _fail(f"--modes: unknown mode {m!r} (sync, one_step, async)")
+    variants: list[tuple[str, SimConfig]] = []
+    if sweep:
+        if "=" not in sweep:
+            _fail(f"--sweep {sweep!r}: expected key=v1,v2,...")
+        key, vals = sweep.split("=", 1)
+        for v in vals.split(","):
+            data = base.model_dump()
+            node = data
+            parts = key.split(".")
+            for k in parts[:-1]:
+                node = node.get(k) if isinstance(node, dict) else None
+                if node is None:
+                    _fail(f"--sweep: no section {k!r} in the simulator config")
+            if parts[-1] not in node:
+                _fail(f"--sweep: no key {key!r} in the simulator config")
+            node[parts[-1]] = yaml.safe_load(v)
+            try:
+                variants.append((f"{key}={v}", SimConfig.model_validate(data)))
+            except ValueError as e:
+                _fail(f"--sweep {key}={v}: {e}")
+    else:
+        variants.append(("", base))
+    table = Table(title="conveyor simulate")
+    for col in ("variant", "mode", "eta", "wall s", "s/step", "vs sync", "T idle", "R idle", "stale", "traj/s"):
+        table.add_column(col)
+    results = []
+    for label, cfg in variants:
+        sync_wall = None
+        for m in mode_list:
+            c = cfg.model_copy(update={"mode": m})
+            r = simulate(c).summary()
+            if m == "sync":
+                sync_wall = r["wall_seconds"]
+            speed = f"{sync_wall / r['wall_seconds']:.2f}x" if sync_wall else "-"
+            results.append({"variant": label, "mode": m, "eta": c.effective_eta, **r})
+            table.add_row(label, m, str(c.effective_eta), f"{r['wall_seconds']:.1f}", f"{r['mean_step_seconds']:.2f}", speed,
+                          f"{r['trainer_idle']:.2f}", f"{r['rollout_idle']:.2f}",
+                          f"{r['staleness_mean']:.2f}/{r['staleness_max']}", f"{r['trajectories_per_s']:.2f}")
+    console.print(table)
+    console.print("T idle / R idle: trainer / rollout idle fractions; stale: staleness mean/max (versions); "
+                  "vs sync: speed-up over the sync row of the same variant")
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(results, indent=2))
+        console.print(f"predictions written to {output}")
 
 
 if __name__ == "__main__":  # pragma: no cover

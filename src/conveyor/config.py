@@ -37,6 +37,18 @@ class DataConfig(_Strict):
     shuffle_seed: int = 0
 
 
+class EnvLatencyConfig(_Strict):
+    """A simulated environment (tool call) wait after each episode's generation, for agent-like
+    rollout profiles: log-normal with median ``median_s`` seconds and log-space ``sigma``, at most
+    ``max_s`` seconds. The episode waits (``asyncio.sleep``; no CPU used). ``median_s = 0`` (the
+    default) disables it."""
+
+    median_s: float = Field(default=0.0, ge=0, description="seconds; 0 = off")
+    sigma: float = Field(default=1.0, ge=0)
+    max_s: float = Field(default=60.0, gt=0, description="seconds")
+    seed: int = 0
+
+
 class RolloutConfig(_Strict):
     """Generation settings of the rollout engine and the workflow (MISSION.md section 1)."""
 
@@ -50,6 +62,7 @@ class RolloutConfig(_Strict):
     engine_threads: int | None = Field(default=None, ge=1, description="engine intra-op threads (default: auto)")
     filter_all_equal: bool = Field(default=False, description="dynamic filtering: drop groups whose rewards are all equal (DAPO)")
     max_filtered_in_a_row: int = Field(default=64, ge=1, description="stop refilling after this many consecutively filtered groups and report")
+    env_latency: EnvLatencyConfig = Field(default_factory=lambda: EnvLatencyConfig())
 
 
 class AsyncConfig(_Strict):
@@ -71,7 +84,9 @@ class RewardConfig(_Strict):
 class LossConfig(_Strict):
     """Policy loss and advantage estimator (MISSION.md sections 1 and 5)."""
 
-    name: Literal["decoupled_ppo", "ppo"] = "decoupled_ppo"
+    name: Literal["decoupled_ppo", "ppo", "two_ratio", "dis"] = Field(
+        default="decoupled_ppo",
+        description="decoupled_ppo (AReaL), ppo (clip vs pi_behav), two_ratio (arXiv 2605.12070), dis (SAO double-sided mask)")
     eps_low: float = Field(default=0.2, ge=0)
     eps_high: float = Field(default=0.28, ge=0)
     dual_clip: float | None = Field(default=None, gt=1.0)
@@ -79,6 +94,30 @@ class LossConfig(_Strict):
     behaviour_weight_cap_mode: Literal["clamp", "mask"] = "mask"
     advantage: Literal["grpo", "dr_grpo", "reinforce"] = "grpo"
     kl_coef: float = Field(default=0.0, ge=0, description="KL(pi_theta || pi_ref) penalty weight (k3); 0 disables the reference model")
+    discrepancy_low: float = Field(default=0.8, gt=0, le=1, description="two_ratio / ewma keep-rate: lower bound of pi_old_train / pi_behav")
+    discrepancy_high: float = Field(default=1.25, ge=1, description="two_ratio / ewma keep-rate: upper bound of pi_old_train / pi_behav")
+    dis_preset: Literal["reasoning", "coding"] | None = Field(default=None, description="SAO presets (eps 0.3/5.0, 0.8/3.0); overrides dis_eps_*")
+    dis_eps_low: float = Field(default=0.3, ge=0, lt=1)
+    dis_eps_high: float = Field(default=5.0, ge=0)
+    correction: Literal["none", "tis_token", "tis_sequence", "mis_token", "mis_sequence", "geo_mask"] | None = Field(
+        default=None, description="training-inference mismatch weight on pi_prox/pi_behav (decoupled_ppo); null = behaviour_weight_cap")
+    correction_cap: float = Field(default=2.0, gt=0, description="truncated IS cap C")
+    correction_low: float = Field(default=0.5, ge=0, le=1, description="masked IS / geometric band, low")
+    correction_high: float = Field(default=2.0, ge=1, description="masked IS / geometric band, high")
+    kl_reject: Literal["k1", "k2", "k3"] | None = Field(default=None, description="reject sequences whose mean mismatch KL estimator exceeds kl_reject_threshold")
+    kl_reject_threshold: float = Field(default=0.01, gt=0, description="nats per token")
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"] = "token_mean"
+    aggregation_constant: float | None = Field(default=None, gt=0, description="tokens, for aggregation=constant (default rollout.max_new_tokens)")
+
+
+class ProximalConfig(_Strict):
+    """Where the old log-probs (the ratio's denominator) come from (MISSION.md section 2)."""
+
+    method: Literal["recompute", "behavior", "snapshot", "interpolate", "ewma", "auto"] = "recompute"
+    interpolation: Literal["loglinear", "linear"] = "loglinear"
+    ewma_beta: float | None = Field(default=None, ge=0, lt=1, description="fixed EWMA decay; null = adaptive W/(W+2)")
+    ewma_reset_keep_rate: float = Field(default=0.90, ge=0, le=1, description="reset the EWMA when the discrepancy keep-rate falls below")
+    memory_budget_bytes: int = Field(default=4 * 2**30, ge=0, description="host bytes auto may spend on parameter copies")
 
 
 class TrainerConfig(_Strict):
@@ -125,6 +164,7 @@ class TrainConfig(_Strict):
     asynchronous: AsyncConfig = Field(default=AsyncConfig(), alias="async")
     reward: RewardConfig = RewardConfig()
     loss: LossConfig = LossConfig()
+    proximal: ProximalConfig = ProximalConfig()
     trainer: TrainerConfig = TrainerConfig()
     run: RunConfig = RunConfig()
 

@@ -46,11 +46,19 @@ class MetricsLogger:
     def trained(self, step: int, batch) -> None:
         """Append to ``trained.jsonl`` which trajectory groups (and samples, versions) the update
         that produced policy version ``step`` consumed: an audit trail showing that no trajectory
-        is trained twice, across resumes too."""
+        is trained twice, across resumes too. Each group also lists ``lengths`` ([prompt,
+        response] tokens per trajectory), ``env_seconds`` (environment wait) and
+        ``reward_seconds`` (reward scoring latency of the trajectory's group), the trace
+        ``conveyor simulate`` calibrates from."""
         groups: dict[str, dict] = {}
         for t in batch:
-            g = groups.setdefault(t.group_id, {"group": t.group_id, "sample": t.sample.id, "oldest_version": t.oldest_version})
+            g = groups.setdefault(t.group_id, {"group": t.group_id, "sample": t.sample.id, "oldest_version": t.oldest_version,
+                                               "lengths": [], "env_seconds": []})
             g["oldest_version"] = min(g["oldest_version"], t.oldest_version)
+            # [prompt tokens, response tokens] and environment wait (s): the simulator's calibration trace
+            g["lengths"].append([len(t.prompt_ids), len(t.response_ids)])
+            g["env_seconds"].append(float(t.metadata.get("env_seconds", 0.0)))
+            g.setdefault("reward_seconds", []).append(float(t.metadata.get("reward_seconds", 0.0)))
         with (self.run_dir / "trained.jsonl").open("a") as f:
             f.write(json.dumps({"step": step, "groups": list(groups.values())}) + "\n")
         # a few responses per step, to read what the policy actually writes

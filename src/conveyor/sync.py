@@ -7,7 +7,7 @@ carried unchanged between threads, processes (``torch.save`` / shared memory) or
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,10 +21,13 @@ class WeightUpdate:
             Versions must strictly increase from one update to the next.
         tensors: Parameter / buffer name -> tensor (detached, contiguous, on CPU unless the
             caller chose otherwise). Names follow ``model.state_dict()``.
+        aliases: Name -> name in ``tensors`` for tensors the sender's model shares (tied input
+            / output embeddings): sent once, applied to both names by the receiver.
     """
 
     version: int
     tensors: dict[str, torch.Tensor]
+    aliases: dict[str, str] = field(default_factory=dict)
 
     @property
     def num_bytes(self) -> int:
@@ -42,10 +45,17 @@ class WeightUpdate:
                 halve the bytes sent); None keeps the trainer's dtype.
         """
         out: dict[str, torch.Tensor] = {}
+        aliases: dict[str, str] = {}
+        seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
         with torch.no_grad():
-            for name, t in model.state_dict().items():
+            for name, t in model.state_dict(keep_vars=True).items():
                 t = t.detach()
+                key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+                if t.numel() and key in seen:  # tied weights: one copy, one alias
+                    aliases[name] = seen[key]
+                    continue
+                seen[key] = name
                 if dtype is not None and t.is_floating_point():
                     t = t.to(dtype)
                 out[name] = t.to("cpu", copy=True).contiguous()
-        return cls(version=version, tensors=out)
+        return cls(version=version, tensors=out, aliases=aliases)

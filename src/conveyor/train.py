@@ -33,7 +33,7 @@ from conveyor.rollout.buffer import TrajectoryBuffer
 from conveyor.rollout.controller import DataStream, RolloutController, wait_for_batch
 from conveyor.rollout.engine import InferenceEngine, SamplingParams
 from conveyor.rollout.staleness import StalenessManager
-from conveyor.rollout.workflow import SingleTurnMathWorkflow
+from conveyor.rollout.workflow import EnvLatencyWorkflow, SingleTurnMathWorkflow
 from conveyor.runlog import MetricsLogger, plot_report
 from conveyor.trainer.trainer import Trainer
 
@@ -196,7 +196,8 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
     lm = load_model(cfg.model.name, seed=cfg.model.seed)
     tokenizer = lm.tokenizer
     policy = lm.model
-    trainer = Trainer(policy, cfg.trainer, cfg.loss, temperature=cfg.rollout.temperature)
+    trainer = Trainer(policy, cfg.trainer, cfg.loss, temperature=cfg.rollout.temperature, proximal_cfg=cfg.proximal,
+                      eta=cfg.asynchronous.eta, max_new_tokens=cfg.rollout.max_new_tokens)
     state = None
     if ckpt is not None:
         trainer.load_state_dict(torch.load(ckpt / "trainer.pt", weights_only=False))
@@ -216,6 +217,8 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("conveyor").addHandler(handler)
     logging.getLogger("conveyor").setLevel(logging.INFO)
+    logger.event("proximal", method=trainer.proximal.name, requested=cfg.proximal.method, note=trainer.proximal_note,
+                 extra_bytes=trainer.proximal.extra_bytes())
     if ckpt is not None:
         logger.event("resume", checkpoint=str(ckpt), version=trainer.version)
         console.print(f"[bold]resumed[/] {run_dir} at version {trainer.version} from {ckpt.name}")
@@ -233,6 +236,9 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
     workflow = SingleTurnMathWorkflow(tokenizer, reward_service, params, group_size=G, instruction=cfg.data.instruction)
+    lat = cfg.rollout.env_latency
+    if lat.median_s > 0:
+        workflow = EnvLatencyWorkflow(workflow, median_s=lat.median_s, sigma=lat.sigma, max_s=lat.max_s, seed=lat.seed + trainer.version)
     eta = cfg.asynchronous.eta
     staleness = StalenessManager(batch_size=B, eta=eta, max_concurrent=max(cfg.rollout.max_concurrent, G))
     buffer = TrajectoryBuffer(eta, on_drop=staleness.on_drop)
@@ -294,6 +300,9 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
     )
     step_task = bar.add_task("train", total=total, completed=trainer.version, info="waiting for rollouts")
     error: BaseException | None = None
+    bookkeeping_s: float | None = None
+    prox_seconds: list[float] = []
+    train_seconds: list[float] = []
     try:
         with bar:
             while trainer.version < total and not stop.is_set():
@@ -302,6 +311,8 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
                     break
                 t0 = time.perf_counter()
                 metrics = trainer.train_step(batch)
+                if bookkeeping_s is not None:
+                    metrics["time/bookkeeping_s"] = bookkeeping_s  # logging + checkpoint of the previous step
                 t_sync = time.perf_counter()
                 engine.update_weights(trainer.weight_update())
                 controller.set_version(trainer.version)
@@ -327,10 +338,15 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
                     **controller.counters(),
                 })
                 last_eng, last_t = eng, now
+                prox_seconds.append(metrics.get("time/proximal_s", 0.0))
+                train_seconds.append(metrics.get("time/train_step_s", 0.0))
                 logger.log(trainer.version, metrics)
                 logger.trained(trainer.version, batch)
                 if metrics["train/skipped_nonfinite"]:
                     logger.event("skipped_nonfinite", version=trainer.version)
+                for ev in trainer.events:
+                    logger.event(ev.pop("event", "proximal"), **ev)
+                trainer.events.clear()
                 bar.update(step_task, completed=trainer.version, info=(
                     f"reward {metrics['reward/mean']:.2f}  acc {metrics['rollout/accuracy']:.2f}  "
                     f"stale {metrics['staleness/mean']:.1f}/{metrics['staleness/max']:.0f}  "
@@ -344,6 +360,7 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
                 if trainer.version % cfg.run.checkpoint_every == 0:
                     p = save_checkpoint(run_dir, trainer, controller, keep=cfg.run.keep_checkpoints)
                     logger.event("checkpoint", path=str(p), version=trainer.version)
+                bookkeeping_s = time.perf_counter() - now
     except BaseException as e:  # still write a checkpoint: nothing already computed is lost
         error = e
     finally:
@@ -359,6 +376,10 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
             signal.signal(s, h)
     eng = engine.stats()
     engine_busy = (eng["busy_seconds"] - eng0["busy_seconds"]) / max(wall, 1e-9)
+    try:  # the engine's counters and decode profile: `conveyor simulate RUN_DIR` calibrates from them
+        (run_dir / "engine_stats.json").write_text(json.dumps(eng, indent=1, default=str))
+    except OSError:
+        log.exception("could not write engine_stats.json")
     if error is not None:
         engine.stop()
         reward_service.close()
@@ -381,6 +402,13 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
         "run_dir": str(run_dir), "steps": trainer.version, "heldout_before": before, "heldout_after": after,
         "wall_seconds": wall, "interrupted": interrupted, "trainer_busy": trainer_busy / max(wall, 1e-9),
         "engine_busy": engine_busy, "eta": eta, "controller": controller.counters(),
+        # the cost ledger of the proximal strategy (MISSION.md section 2)
+        "proximal": {
+            "method": trainer.proximal.name, "requested": cfg.proximal.method, "note": trainer.proximal_note,
+            "extra_bytes": trainer.proximal.extra_bytes(),
+            "mean_proximal_s": sum(prox_seconds) / len(prox_seconds) if prox_seconds else 0.0,
+            "mean_train_step_s": sum(train_seconds) / len(train_seconds) if train_seconds else 0.0,
+        },
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     st = controller.stats

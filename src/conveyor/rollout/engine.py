@@ -105,6 +105,9 @@ class SamplingParams:
             ``generation_config.eos_token_id``. A list is accepted and stored as a tuple.
         seed: Optional seed of this request's random stream. ``None`` derives it from the
             engine seed and the request's submission index.
+        ignore_eos: Do not stop at the tokenizer's / model's end-of-sequence ids (vLLM's
+            ``ignore_eos``): the response then has exactly ``max_new_tokens`` tokens unless a stop
+            string or ``stop_token_ids`` ends it. For benchmarks that need controlled lengths.
 
     Raises:
         ValueError: on an invalid field; the message names the field.
@@ -117,6 +120,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -150,6 +154,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", ids)
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
@@ -648,6 +654,8 @@ class InferenceEngine:
             pause_seconds_total=0.0,
             num_threads=0,
         )
+        # batch size -> [decode steps, forward seconds]: the simulator's calibration
+        self._decode_profile: dict[int, list[float]] = {}
         self._running_count = 0
 
     # ---------------------------------------------------------------- lifecycle
@@ -759,11 +767,14 @@ class InferenceEngine:
             ``weight_load_seconds`` (s copying weights), ``pause_seconds_total`` (s generation
             was paused by weight updates: loading plus re-encoding), ``running`` (requests in
             the running batch, including those awaiting re-encoding), ``waiting`` (queued),
-            ``version``, ``paused`` and ``num_threads`` (intra-op threads of the decode thread,
-            0 before it started).
+            ``version``, ``paused``, ``num_threads`` (intra-op threads of the decode thread,
+            0 before it started) and ``decode_profile`` (``{batch size: [decode steps,
+            seconds]}``, seconds of the decode forward passes, used with ``sample_seconds`` to
+            calibrate ``conveyor simulate``).
         """
         with self._cond:
             out = dict(self._stats)
+            out["decode_profile"] = {b: list(v) for b, v in self._decode_profile.items()}
             out["running"] = self._running_count
             out["waiting"] = len(self._waiting)
             out["version"] = self._version
@@ -813,7 +824,7 @@ class InferenceEngine:
             params=params,
             deliver=deliver,
             max_new=max_new,
-            stop_ids=self._eos_ids | frozenset(params.stop_token_ids),
+            stop_ids=(frozenset() if params.ignore_eos else self._eos_ids) | frozenset(params.stop_token_ids),
             uniforms=uniforms,
         )
 
@@ -972,6 +983,13 @@ class InferenceEngine:
                     f"WeightUpdate tensor {name!r} has dtype {t.dtype}, the model expects a "
                     f"floating-point tensor ({target.dtype})"
                 )
+        for name, src in update.aliases.items():
+            if name not in self._targets:
+                raise KeyError(f"WeightUpdate alias {name!r} is not a parameter/buffer of the engine's model")
+            if src not in update.tensors:
+                raise KeyError(f"WeightUpdate alias {name!r} -> {src!r}: {src!r} is not in the update's tensors")
+            if tuple(self._targets[name].shape) != tuple(update.tensors[src].shape):
+                raise ValueError(f"WeightUpdate alias {name!r} -> {src!r}: shapes differ")
 
     def update_weights(
         self, update: WeightUpdate, *, wait: bool = True
@@ -1033,6 +1051,10 @@ class InferenceEngine:
                 with torch.inference_mode(False), torch.no_grad():
                     for name, t in pending.update.tensors.items():
                         self._targets[name].copy_(t)
+                    for name, src in pending.update.aliases.items():
+                        target = self._targets[name]
+                        if target.data_ptr() != self._targets[src].data_ptr():  # not tied here
+                            target.copy_(pending.update.tensors[src])
             except BaseException as e:  # validated beforehand; report anything unexpected
                 log.exception("applying weight update version %s failed", pending.update.version)
                 pending.future.set_exception(e)
@@ -1225,6 +1247,9 @@ class InferenceEngine:
         with self._cond:
             self._stats["busy_seconds"] += dt
             self._stats["decode_steps"] += 1
+            prof = self._decode_profile.setdefault(len(batch.reqs), [0, 0.0])
+            prof[0] += 1
+            prof[1] += dt
         batch.pending = self._sample_and_record(batch.reqs, out.logits[:, -1, :], batch.plan)
         done = [r.finish_reason is not None for r in batch.reqs]
         if any(done):

@@ -10,6 +10,7 @@ reject the episode. The infrastructure (controller, staleness bound, buffer) nev
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Protocol, runtime_checkable
 
@@ -62,10 +63,12 @@ class SingleTurnMathWorkflow:
         if all(o.finish_reason == "abort" for o in outs):
             return None
         # rewards (worker processes) and the accuracy metric (threads) are computed concurrently
+        t0 = time.perf_counter()
         results, corrects = await asyncio.gather(
             asyncio.gather(*[self.reward_service.score(o.text, sample) for o in outs]),
             asyncio.gather(*[asyncio.to_thread(correctness_reward, o.text, sample) for o in outs]),
         )
+        reward_s = time.perf_counter() - t0
         group_id = f"{sample.id}#{uuid.uuid4().hex[:12]}"  # unique across processes and resumes
         trajs = []
         for o, r, correct in zip(outs, results, corrects, strict=True):
@@ -86,7 +89,48 @@ class SingleTurnMathWorkflow:
                         "reward_error": r.error,
                         "format_ok": format_ok(o.text),
                         "num_interruptions": o.num_interruptions,
+                        "reward_seconds": reward_s,
                     },
                 )
             )
+        return trajs
+
+
+class EnvLatencyWorkflow:
+    """Wrap a workflow so every episode also waits on a simulated environment (an agent's tool
+    call) with a long-tailed latency: the inner episode runs, then the episode sleeps a
+    log-normal time (median ``median_s`` s, log-space ``sigma``, capped at ``max_s``) before it is
+    returned. Waiting, not computing: other episodes and the trainer keep running. The wait is
+    recorded per trajectory in ``metadata["env_seconds"]`` (s).
+
+    This is the rollout profile (b) of ``benchmarks/async_vs_sync.py``; a real tool-using agent
+    would implement ``run_episode`` itself.
+
+    Raises:
+        ValueError: ``median_s <= 0``, ``sigma < 0`` or ``max_s <= 0``.
+    """
+
+    def __init__(self, inner: RolloutWorkflow, *, median_s: float, sigma: float = 1.0, max_s: float = 60.0, seed: int = 0):
+        if median_s <= 0 or sigma < 0 or max_s <= 0:
+            raise ValueError(f"env latency needs median_s > 0, sigma >= 0, max_s > 0; got {median_s}, {sigma}, {max_s}")
+        import random
+
+        self.inner = inner
+        self.median_s, self.sigma, self.max_s = median_s, sigma, max_s
+        self._rng = random.Random(seed)
+
+    def sample_latency(self) -> float:
+        """One latency draw (s)."""
+        import math
+
+        return min(self.max_s, self.median_s * math.exp(self.sigma * self._rng.gauss(0.0, 1.0)))
+
+    async def run_episode(self, engine, sample: Sample) -> list[Trajectory] | None:
+        """The inner episode, then the environment wait (see the class docstring)."""
+        trajs = await self.inner.run_episode(engine, sample)
+        wait = self.sample_latency()
+        await asyncio.sleep(wait)
+        if trajs is not None:
+            for t in trajs:
+                t.metadata["env_seconds"] = wait
         return trajs

@@ -38,6 +38,9 @@ __all__ = [
     "aggregate",
     "ppo_clip_loss",
     "decoupled_ppo_loss",
+    "two_ratio_loss",
+    "dis_loss",
+    "DIS_PRESETS",
     "kl_penalty",
 ]
 
@@ -198,6 +201,15 @@ def _masked_min(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, x, pos_inf).amin()
 
 
+def _weighted(loss: Tensor, token_weights: Tensor | None, mask: Tensor) -> Tensor:
+    """``loss * token_weights`` (detached, validated ``[B, T]``); ``loss`` when None."""
+    if token_weights is None:
+        return loss
+    _check_token_tensors(mask, token_weights=token_weights)
+    w = torch.where(mask, token_weights.detach().to(loss.dtype), torch.zeros((), dtype=loss.dtype, device=loss.device))
+    return loss * w  # masked weights zeroed first: a NaN there must not reach the gradient
+
+
 def _masked_log_ratio(num: Tensor, den: Tensor, mask: Tensor, dtype: torch.dtype) -> Tensor:
     """``log(num / den)`` from log-probs, in ``dtype``, 0 at masked positions, clamped."""
     log_ratio = num.to(dtype) - den.to(dtype)
@@ -276,6 +288,7 @@ def ppo_clip_loss(
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     dual_clip: float | None = None,
+    token_weights: Tensor | None = None,
 ) -> LossOutput:
     """PPO clipped surrogate loss, summed over the counted tokens.
 
@@ -303,6 +316,8 @@ def ppo_clip_loss(
         eps_low: Lower clip range, ``0 <= eps_low < 1``.
         eps_high: Upper clip range, ``>= 0``.
         dual_clip: Dual-clip constant ``c > 1``, or None for no dual clip.
+        token_weights: Optional ``[B, T]`` detached per-token weights multiplying ``loss_t``
+            (mismatch corrections, loss aggregation modes; see ``conveyor.trainer.corrections``).
 
     Returns:
         ``LossOutput`` with ``loss_sum`` (sum of ``loss_t`` over counted tokens, float32 or
@@ -328,7 +343,7 @@ def ppo_clip_loss(
     adv = torch.where(m, advantages.detach().to(dtype), zero)
     loss, metrics = _clipped_surrogate(log_ratio, adv, m, eps_low, eps_high, dual_clip)
     return LossOutput(
-        loss_sum=_masked_sum(loss, m),
+        loss_sum=_masked_sum(_weighted(loss, token_weights, m), m),
         num_tokens=m.sum().to(dtype),
         metrics=metrics,
     )
@@ -351,6 +366,8 @@ def decoupled_ppo_loss(
     dual_clip: float | None = None,
     behaviour_weight_cap: float | None = None,
     cap_mode: Literal["clamp", "mask"] = "clamp",
+    token_weights: Tensor | None = None,
+    behaviour_weights: Tensor | None = None,
 ) -> LossOutput:
     """Decoupled PPO loss: PPO clipping against pi_prox, importance-weighted by pi_prox/pi_behav.
 
@@ -389,6 +406,12 @@ def decoupled_ppo_loss(
         dual_clip: Dual-clip constant ``c > 1`` (see ``ppo_clip_loss``), or None.
         behaviour_weight_cap: ``C > 1``, or None for no cap.
         cap_mode: ``"clamp"`` or ``"mask"`` (see above); ignored when no cap is set.
+        token_weights: Optional ``[B, T]`` detached weights multiplying ``loss_t`` (aggregation
+            modes).
+        behaviour_weights: Optional ``[B, T]`` detached weights used INSTEAD of the (capped)
+            ``w_t``: a training-inference mismatch correction from
+            ``conveyor.trainer.corrections.mismatch_weights`` (TIS / MIS / IcePop / sequence
+            filters). The ``behaviour_weight_*`` metrics still describe the raw ``w``.
 
     Returns:
         ``LossOutput``: ``loss_sum`` (sum of ``loss_t``), ``num_tokens``, the ``ppo_clip_loss``
@@ -445,8 +468,163 @@ def decoupled_ppo_loss(
         metrics["behaviour_weight_capped_count"] = exceeded.sum().to(dtype)
         metrics["behaviour_approx_kl_sum"] = behaviour_kl_sum
 
+    if behaviour_weights is not None:
+        _check_token_tensors(mask, behaviour_weights=behaviour_weights)
+        w_applied = torch.where(m, behaviour_weights.detach().to(dtype), zero)
     return LossOutput(
-        loss_sum=_masked_sum(w_applied * loss, m),                        # sum_t w_t * loss_t
+        loss_sum=_masked_sum(_weighted(w_applied * loss, token_weights, m), m),  # sum_t w_t * loss_t
+        num_tokens=m.sum().to(dtype),
+        metrics=metrics,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Two-ratio decomposition (discrepancy filter x staleness clip)
+# --------------------------------------------------------------------------------------------
+
+
+def two_ratio_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    discrepancy_low: float = 0.8,
+    discrepancy_high: float = 1.25,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    dual_clip: float | None = None,
+    token_weights: Tensor | None = None,
+) -> LossOutput:
+    """Two-ratio loss: a symmetric discrepancy filter and an asymmetric staleness clip.
+
+    arXiv 2605.12070 (MISSION.md section 2). The total ratio factorises as
+    ``pi_theta / pi_behav = (pi_old_train / pi_behav) * (pi_theta / pi_old_train)``; per token:
+
+        rho_d = exp(old_logprobs - behaviour_logprobs)   (discrepancy ratio, detached)
+        rho_s = exp(logprobs - old_logprobs)             (staleness ratio)
+        keep_t = discrepancy_low <= rho_d <= discrepancy_high
+        loss_t = -keep_t * min(rho_s A, clip(rho_s, 1 - eps_low, 1 + eps_high) A)
+
+    ``old_logprobs`` must be the TRAINING-side log-probs of the parameters that sampled each
+    token (``proximal.method = snapshot`` / ``partial_sync`` / ``dedicated``, or an
+    approximation: ``ewma``, ``recompute``), so that ``rho_d`` measures only the
+    training-inference discrepancy (same parameters, different kernels / precision): symmetric
+    noise, filtered (masked, not weighted) on both sides. Filtered tokens stay in the
+    denominator (the trainer divides by all response tokens). The bounds are conveyor's defaults
+    (symmetric in log space, ``log 1.25 = -log 0.8``); the paper tunes them per setting.
+
+    Args:
+        logprobs: ``[B, T]`` log pi_theta (carries the gradient).
+        old_logprobs: ``[B, T]`` log pi_old_train, detached.
+        behaviour_logprobs: ``[B, T]`` log pi_behav recorded by the inference engine, detached.
+        advantages: ``[B, T]``, detached. mask: ``[B, T]``, non-zero for counted tokens.
+        discrepancy_low / discrepancy_high: ``0 < low <= 1 <= high``.
+        eps_low / eps_high / dual_clip: the staleness clip (see ``ppo_clip_loss``).
+        token_weights: Optional ``[B, T]`` detached weights (aggregation modes).
+
+    Returns:
+        ``LossOutput``: the ``ppo_clip_loss`` metrics of ``rho_s`` (``ratio_*``, clip counts,
+        ``approx_kl_sum``), ``discrepancy_keep_count`` (-> ``discrepancy_keep_frac``, the
+        keep-rate MISSION.md section 2 monitors), ``discrepancy_low_count`` /
+        ``discrepancy_high_count`` (filtered below / above) and ``discrepancy_*`` ratio stats.
+        Empty or all-masked input gives 0 loss.
+
+    Raises:
+        ValueError: bad shapes / dtypes, or bounds out of range.
+    """
+    m = _check_token_tensors(
+        mask, logprobs=logprobs, old_logprobs=old_logprobs, behaviour_logprobs=behaviour_logprobs, advantages=advantages
+    )
+    _check_clip(eps_low, eps_high, dual_clip)
+    if not (0.0 < discrepancy_low <= 1.0 <= discrepancy_high):
+        raise ValueError(f"need 0 < discrepancy_low <= 1 <= discrepancy_high, got {discrepancy_low}, {discrepancy_high}")
+    dtype = _compute_dtype(logprobs)
+    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
+    old = old_logprobs.detach()
+    log_s = _masked_log_ratio(logprobs, old, m, dtype)
+    adv = torch.where(m, advantages.detach().to(dtype), zero)
+    loss, metrics = _clipped_surrogate(log_s, adv, m, eps_low, eps_high, dual_clip)
+    log_d = _masked_log_ratio(old, behaviour_logprobs.detach(), m, dtype)
+    low = (log_d < math.log(discrepancy_low)) & m
+    high = (log_d > math.log(discrepancy_high)) & m
+    keep = m & ~low & ~high
+    with torch.no_grad():
+        d_stats, _ = _ratio_metrics("discrepancy", torch.exp(log_d), log_d, m)
+        metrics.update(d_stats)
+        metrics["discrepancy_keep_count"] = keep.sum().to(dtype)
+        metrics["discrepancy_low_count"] = low.sum().to(dtype)
+        metrics["discrepancy_high_count"] = high.sum().to(dtype)
+    loss = torch.where(keep, loss, zero)
+    return LossOutput(
+        loss_sum=_masked_sum(_weighted(loss, token_weights, m), m),
+        num_tokens=m.sum().to(dtype),
+        metrics=metrics,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# SAO / DIS: double-sided hard mask on the behaviour ratio
+# --------------------------------------------------------------------------------------------
+
+DIS_PRESETS: dict[str, tuple[float, float]] = {"reasoning": (0.3, 5.0), "coding": (0.8, 3.0)}
+"""``(eps_low, eps_high)`` of SAO's double-sided mask (arXiv 2607.07508; MISSION.md section 3)."""
+
+
+def dis_loss(
+    logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 0.3,
+    eps_high: float = 5.0,
+    token_weights: Tensor | None = None,
+) -> LossOutput:
+    """SAO's double-sided importance-sampling hard mask (DIS), no proximal policy.
+
+    arXiv 2607.07508 (MISSION.md section 3). Per token, with ``r = pi_theta / pi_behav``:
+
+        keep_t = 1 - eps_low < r_t < 1 + eps_high
+        loss_t = -keep_t * r_t * A_t
+
+    Outside the band the token's gradient is zero (masked, not clipped to the bound as in
+    PPO); masked tokens stay in the denominator (token-mean over all response tokens). Presets
+    (``DIS_PRESETS``): reasoning ``eps_low = 0.3, eps_high = 5.0``; coding ``0.8, 3.0``.
+
+    Args:
+        logprobs: ``[B, T]`` log pi_theta (gradient). behaviour_logprobs: ``[B, T]`` detached.
+        advantages: ``[B, T]`` detached. mask: ``[B, T]``.
+        eps_low: ``0 <= eps_low < 1``. eps_high: ``>= 0``.
+        token_weights: Optional ``[B, T]`` detached weights (aggregation modes).
+
+    Returns:
+        ``LossOutput`` with ``dis_masked_low_count`` / ``dis_masked_high_count`` (tokens outside
+        the band, by side), ``ratio_*`` stats of ``r`` and ``approx_kl_sum`` (k3 of
+        KL(pi_behav || pi_theta)). Empty or all-masked input gives 0 loss.
+
+    Raises:
+        ValueError: bad shapes / dtypes or eps out of range.
+    """
+    m = _check_token_tensors(mask, logprobs=logprobs, behaviour_logprobs=behaviour_logprobs, advantages=advantages)
+    _check_clip(eps_low, eps_high, None)
+    dtype = _compute_dtype(logprobs)
+    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
+    log_r = _masked_log_ratio(logprobs, behaviour_logprobs.detach(), m, dtype)
+    ratio = torch.exp(log_r)
+    adv = torch.where(m, advantages.detach().to(dtype), zero)
+    with torch.no_grad():
+        low = (ratio <= 1.0 - eps_low) & m
+        high = (ratio >= 1.0 + eps_high) & m
+    keep = m & ~low & ~high
+    loss = torch.where(keep, -ratio * adv, zero)
+    with torch.no_grad():
+        stats, kl_sum = _ratio_metrics("ratio", ratio, log_r, m)
+        metrics = {"dis_masked_low_count": low.sum().to(dtype), "dis_masked_high_count": high.sum().to(dtype),
+                   **stats, "approx_kl_sum": kl_sum}
+    return LossOutput(
+        loss_sum=_masked_sum(_weighted(loss, token_weights, m), m),
         num_tokens=m.sum().to(dtype),
         metrics=metrics,
     )

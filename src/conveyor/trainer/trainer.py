@@ -16,12 +16,14 @@ from contextlib import nullcontext
 
 import torch
 
-from conveyor.config import LossConfig, TrainerConfig
+from conveyor.config import LossConfig, ProximalConfig, TrainerConfig
 from conveyor.sync import WeightUpdate
 from conveyor.trainer import advantages as adv_lib
+from conveyor.trainer import corrections as corr_lib
 from conveyor.trainer import losses as loss_lib
 from conveyor.trainer.batch import PackedBatch, pack, plan_micro_batches
 from conveyor.trainer.logprobs import token_logprobs
+from conveyor.trainer.proximal import build_strategy
 from conveyor.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -72,17 +74,38 @@ class Trainer:
         trainer_cfg: Optimisation settings. loss_cfg: Loss and advantage settings.
         temperature: Rollout sampling temperature (log-probs are recomputed at it).
         version: Starting policy version.
+        proximal_cfg: Where the old log-probs come from (``proximal.method``; default recompute).
+        eta: The staleness bound (snapshot window, auto choice).
+        max_new_tokens: Default constant of ``loss.aggregation = constant`` (tokens).
 
     The trainer never shares its parameters: :meth:`weight_update` returns copies.
     """
 
-    def __init__(self, model: torch.nn.Module, trainer_cfg: TrainerConfig, loss_cfg: LossConfig, *, temperature: float = 1.0, version: int = 0):
+    def __init__(self, model: torch.nn.Module, trainer_cfg: TrainerConfig, loss_cfg: LossConfig, *, temperature: float = 1.0,
+                 version: int = 0, proximal_cfg: ProximalConfig | None = None, eta: int | None = None,
+                 max_new_tokens: int | None = None):
         self.model = model
         self.cfg = trainer_cfg
         self.loss_cfg = loss_cfg
         self.temperature = temperature if temperature > 0 else 1.0
         self.version = version
         self.nonfinite_in_a_row = 0
+        pc = proximal_cfg or ProximalConfig()
+        self.proximal, self.proximal_note = build_strategy(
+            pc.method, model, eta=eta, version=version, interpolation=pc.interpolation, ewma_beta=pc.ewma_beta,
+            ewma_reset_keep_rate=pc.ewma_reset_keep_rate, discrepancy_low=loss_cfg.discrepancy_low,
+            discrepancy_high=loss_cfg.discrepancy_high, memory_budget_bytes=pc.memory_budget_bytes,
+        )
+        if pc.method == "auto":
+            log.info("proximal.method=auto chose %s: %s", self.proximal.name, self.proximal_note)
+        self.events: list[dict] = []  # proximal-strategy events (e.g. EWMA resets) for the run log
+        self.aggregation_constant = loss_cfg.aggregation_constant or max_new_tokens
+        if loss_cfg.aggregation == "constant" and not self.aggregation_constant:
+            raise ValueError("loss.aggregation=constant needs loss.aggregation_constant (tokens) or max_new_tokens")
+        if loss_cfg.dis_preset is not None:
+            self.dis_eps = loss_lib.DIS_PRESETS[loss_cfg.dis_preset]
+        else:
+            self.dis_eps = (loss_cfg.dis_eps_low, loss_cfg.dis_eps_high)
         self.ref_model = None
         if loss_cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval()
@@ -155,13 +178,18 @@ class Trainer:
         # (same parameters, same kernels), one forward pass fewer. With several minibatches the
         # parameters move between optimizer steps, so a separate pass runs first.
         reuse_forward = cfg.minibatches == 1 and not cfg.separate_proximal_pass
+        needs_prox = lc.name in ("decoupled_ppo", "two_ratio")
         with torch.no_grad():
             for j, mb in enumerate(mbs):
-                if lc.name == "decoupled_ppo" and not reuse_forward:
-                    prox[j], ents[j] = self._logprobs(self.model, mb, with_entropy=True)
+                if needs_prox:
+                    prox[j] = self.proximal.old_logprobs(self, mb)
+                    if prox[j] is None and not reuse_forward:
+                        cur, ents[j] = self._logprobs(self.model, mb, with_entropy=True)
+                        prox[j] = self.proximal.from_forward(cur, mb, self.version)
                 if self.ref_model is not None:
                     refs[j], _ = self._logprobs(self.ref_model, mb)
         metrics["time/proximal_s"] = time.perf_counter() - t_prox
+        extra: dict[str, list[float]] = {}
 
         # minibatches: each is one optimizer step; the loss is a token-mean over the minibatch
         n_mini = min(cfg.minibatches, len(mbs))
@@ -171,8 +199,10 @@ class Trainer:
         ent_sum = 0.0
         grad_norms = []
         skipped = False
+        aggs = [corr_lib.aggregation_weights(mb.mask, lc.aggregation, seq_index=mb.seq_index, constant=self.aggregation_constant)
+                for mb in mbs]
         for grp in groups:
-            denom = sum(mbs[j].num_tokens for j in grp)
+            denom = sum(aggs[j][1] for j in grp)
             if denom == 0:
                 continue
             self.optimizer.zero_grad(set_to_none=True)
@@ -182,25 +212,52 @@ class Trainer:
                 lp, ent = self._logprobs(self.model, mb, with_entropy=ents[j] is None)
                 if ents[j] is None:
                     ents[j] = ent
-                if lc.name == "decoupled_ppo":
+                tw = aggs[j][0]
+                bw = None
+                if needs_prox:
                     if prox[j] is None:
-                        prox[j] = lp.detach()
+                        prox[j] = self.proximal.from_forward(lp.detach(), mb, self.version)
+                    keep, rstats = corr_lib.rejection_stats(prox[j], mb.behaviour_logprobs, mb.mask, seq_index=mb.seq_index,
+                                                            reject=lc.kl_reject, threshold=lc.kl_reject_threshold)
+                    if lc.kl_reject is not None:
+                        tw = tw * keep
+                    for k, v in rstats.items():
+                        extra.setdefault(k, []).append(v)
+                    if lc.correction is not None and lc.name == "decoupled_ppo":
+                        bw, cstats = corr_lib.mismatch_weights(
+                            prox[j], mb.behaviour_logprobs, mb.mask, method=lc.correction, cap=lc.correction_cap,
+                            low=lc.correction_low, high=lc.correction_high, seq_index=mb.seq_index)
+                        for k, v in cstats.items():
+                            extra.setdefault(k, []).append(v)
+                if lc.name == "decoupled_ppo":
                     out = loss_lib.decoupled_ppo_loss(
                         lp, prox[j], mb.behaviour_logprobs, mb.advantages, mb.mask,
-                        eps_low=lc.eps_low, eps_high=lc.eps_high,
+                        eps_low=lc.eps_low, eps_high=lc.eps_high, dual_clip=lc.dual_clip,
                         behaviour_weight_cap=lc.behaviour_weight_cap, cap_mode=lc.behaviour_weight_cap_mode,
+                        token_weights=tw, behaviour_weights=bw,
+                    )
+                elif lc.name == "two_ratio":
+                    out = loss_lib.two_ratio_loss(
+                        lp, prox[j], mb.behaviour_logprobs, mb.advantages, mb.mask,
+                        discrepancy_low=lc.discrepancy_low, discrepancy_high=lc.discrepancy_high,
+                        eps_low=lc.eps_low, eps_high=lc.eps_high, dual_clip=lc.dual_clip, token_weights=tw,
+                    )
+                elif lc.name == "dis":
+                    out = loss_lib.dis_loss(
+                        lp, mb.behaviour_logprobs, mb.advantages, mb.mask,
+                        eps_low=self.dis_eps[0], eps_high=self.dis_eps[1], token_weights=tw,
                     )
                 else:
                     out = loss_lib.ppo_clip_loss(
                         lp, mb.behaviour_logprobs, mb.advantages, mb.mask,
-                        eps_low=lc.eps_low, eps_high=lc.eps_high, dual_clip=lc.dual_clip,
+                        eps_low=lc.eps_low, eps_high=lc.eps_high, dual_clip=lc.dual_clip, token_weights=tw,
                     )
                 loss = out.loss_sum
                 if refs[j] is not None:
                     kl = loss_lib.kl_penalty(lp, refs[j], mb.mask, kind="k3")
                     kl_sum += float(kl.detach())
                     loss = loss + lc.kl_coef * kl
-                loss = loss / denom  # exact global token-mean over the minibatch
+                loss = loss / denom  # exact global normalisation over the minibatch (loss.aggregation)
                 if not torch.isfinite(loss):
                     finite = False
                     break
@@ -248,6 +305,15 @@ class Trainer:
             "reward/std": float(rewards.std(unbiased=False)),
             "time/train_step_s": time.perf_counter() - t0,
         })
+        for k, v in extra.items():
+            metrics[k] = sum(v) / len(v)
+        t_after = time.perf_counter()
+        st = self.proximal.after_update(self.model, self.version, metrics)
+        metrics.update(st.values)
+        self.events.extend(st.events)
+        metrics["time/proximal_s"] += time.perf_counter() - t_after  # snapshot copy / EWMA update
+        metrics["proximal/extra_bytes"] = float(self.proximal.extra_bytes())
+        metrics["time/train_step_s"] = time.perf_counter() - t0
         metrics["train/tokens_per_s"] = n_tok / metrics["time/train_step_s"]
         return metrics
 
@@ -260,6 +326,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "proximal": self.proximal.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -269,3 +336,5 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
+        self.proximal.load_state_dict(state.get("proximal", {}))
+        self.proximal.on_load(self.model, self.version)

@@ -1,0 +1,143 @@
+"""Engine throughput: conveyor's continuous-batching engine vs transformers ``generate`` with static
+batches, same model, prompts, threads and response lengths (issue 5, bar >= 2x tokens/s).
+
+Usage: python benchmarks/engine.py [--model smollm2-135m-instruct|tiny] [--requests 64]
+       [--max-batch 32] [--threads 1] [--quick] [--output FILE.json]
+
+Response lengths are drawn from a long-tailed distribution (log-normal, median ``--median``
+tokens, sigma ``--sigma``, capped at ``--max-len``): many short responses and a few long ones, as
+in reasoning rollouts. Both sides generate exactly those lengths (end-of-sequence ignored: the
+engine's ``ignore_eos``, HF's ``min_new_tokens``), sampling at temperature 0.7. All requests
+arrive at t = 0. The HF side runs static batches of ``--max-batch`` requests in arrival order;
+each batch decodes until its longest request is done, so only the requested tokens count as
+useful. Latency = time from t = 0 until a request's response is complete.
+
+Prints one JSON line with tokens/s of both, their ratio (engine / HF) and latency percentiles (s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def _percentiles(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+
+    def q(p: float) -> float:
+        return xs[min(len(xs) - 1, max(0, math.ceil(p * len(xs)) - 1))]
+
+    return {"p50": q(0.50), "p90": q(0.90), "p99": q(0.99), "max": xs[-1]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads for both sides")
+    ap.add_argument("--median", type=float, default=24.0, help="median response length (tokens)")
+    ap.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the response length")
+    ap.add_argument("--max-len", type=int, default=256, help="longest response (tokens)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="tiny model, 16 requests, short responses (CI smoke run)")
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.model, args.requests, args.max_batch, args.median, args.max_len = "tiny", 16, 8, 8.0, 48
+
+    import torch
+
+    from conveyor.data import load_dataset
+    from conveyor.models import load_model
+    from conveyor.prompts import build_prompt_ids
+    from conveyor.rollout.engine import InferenceEngine, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    lm = load_model(args.model)
+    model, tok = lm.model.eval(), lm.tokenizer
+    rng = random.Random(args.seed)
+    samples = load_dataset("mawps:singleop")
+    rng.shuffle(samples)
+    prompts = [build_prompt_ids(tok, s, "Give the final answer as a number after 'Answer:'.") for s in samples[: args.requests]]
+    lengths = [max(1, min(args.max_len, round(args.median * math.exp(args.sigma * rng.gauss(0, 1))))) for _ in prompts]
+    useful = sum(lengths)
+
+    # --- conveyor engine: all requests at once, continuous batching
+    engine = InferenceEngine(model, tok, max_batch_size=args.max_batch, seed=args.seed, num_threads=args.threads)
+    engine.start()
+    try:
+        engine.generate_batch(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.7))  # warm-up
+        t0 = time.perf_counter()
+        futs = [engine.submit(p, SamplingParams(max_new_tokens=n, temperature=0.7, ignore_eos=True)) for p, n in zip(prompts, lengths, strict=True)]
+        done_at = [0.0] * len(futs)
+        for i, f in enumerate(futs):
+            f.add_done_callback(lambda _f, i=i: done_at.__setitem__(i, time.perf_counter() - t0))
+        outs = [f.result() for f in futs]
+        eng_wall = time.perf_counter() - t0
+    finally:
+        engine.stop()
+    got = [len(o.token_ids) for o in outs]
+    if got != lengths:
+        raise SystemExit(f"engine produced {sum(got)} tokens, expected {useful} (lengths differ)")
+
+    # --- transformers generate, static batches in arrival order
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    tok.padding_side = "left"
+    hf_done: list[float] = []
+    hf_tokens = 0
+    with torch.inference_mode():
+        b0 = prompts[:2]
+        _hf_batch(model, b0, 4, pad)  # warm-up
+        t0 = time.perf_counter()
+        for i in range(0, len(prompts), args.max_batch):
+            batch, lens = prompts[i : i + args.max_batch], lengths[i : i + args.max_batch]
+            n = max(lens)
+            out = _hf_batch(model, batch, n, pad)
+            hf_tokens += out
+            t = time.perf_counter() - t0
+            hf_done.extend([t] * len(batch))
+        hf_wall = time.perf_counter() - t0
+    res = {
+        "model": args.model, "requests": len(prompts), "max_batch": args.max_batch, "threads": args.threads,
+        "useful_tokens": useful, "length_mean": statistics.fmean(lengths), "length_p50": sorted(lengths)[len(lengths) // 2],
+        "length_max": max(lengths),
+        "engine_tokens_per_s": useful / eng_wall, "hf_tokens_per_s": useful / hf_wall,
+        "ratio_engine_over_hf": hf_wall / eng_wall,
+        "engine_wall_s": eng_wall, "hf_wall_s": hf_wall, "hf_generated_tokens_incl_waste": hf_tokens,
+        "engine_latency_s": _percentiles(done_at), "hf_latency_s": _percentiles(hf_done),
+        "torch": torch.__version__, "cpu_count": os.cpu_count(),
+    }
+    print(json.dumps(res))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(res, f, indent=2)
+    return res
+
+
+def _hf_batch(model, batch: list[list[int]], n: int, pad: int) -> int:
+    """One static batch through ``model.generate``: left-padded, exactly ``n`` new tokens each.
+    Returns the generated tokens including the padding waste (rows x n)."""
+    import torch
+
+    width = max(len(p) for p in batch)
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for r, p in enumerate(batch):
+        ids[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p):] = 1
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=True,
+                         temperature=0.7, top_p=1.0, top_k=0, pad_token_id=pad)
+    return (out.shape[1] - width) * len(batch)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

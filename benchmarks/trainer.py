@@ -1,0 +1,168 @@
+"""Trainer throughput and peak memory of one policy update: conveyor's trainer vs a naive
+baseline, same model, data and threads, each in a fresh process (issue 5; bars: peak memory
+<= 3 GB and >= 2x tokens/s against the baseline, both measured in the same run).
+
+Usage: python benchmarks/trainer.py [--model smollm2-135m-instruct|tiny] [--sequences 32]
+       [--prompt-len 60] [--response-len 50] [--threads 2] [--quick] [--output FILE.json]
+
+- **naive** (the prototype of MEASURED.md): fp32, the batch padded to its longest sequence,
+  full-vocabulary ``log_softmax`` over all positions, then gather; PPO-clip loss; AdamW step.
+- **conveyor**: :class:`conveyor.trainer.trainer.Trainer` with the default config (packed rows,
+  chunked log-probs under activation checkpointing, bf16 autocast, decoupled PPO).
+
+Both run one warm-up update and then ``--updates`` timed updates on the same synthetic batch
+(random token ids of the given lengths, lengths varying +-50% around the mean, rewards 0/1 in
+groups of 4). Tokens/s counts response tokens (the loss tokens). Peak memory is the child
+process's maximum resident set size (``ru_maxrss``: model, optimizer state, activations and the
+Python / torch runtime). A third child measures the log-prob error of the conveyor path against
+fp32 full log-softmax on the same batch and weights (max / mean absolute difference, nats).
+
+Prints one JSON line with both figures and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+CHILD = r"""
+import json, math, random, resource, sys, time
+import torch
+args = json.loads(sys.argv[1])
+torch.set_num_threads(args["threads"])
+torch.manual_seed(0)
+from conveyor.models import load_model
+lm = load_model(args["model"])
+model = lm.model.train()
+V = model.config.vocab_size
+rng = random.Random(0)
+seqs = []
+for i in range(args["sequences"]):
+    P = max(4, round(args["prompt_len"] * rng.uniform(0.5, 1.5)))
+    R = max(2, round(args["response_len"] * rng.uniform(0.5, 1.5)))
+    seqs.append(([rng.randrange(V) for _ in range(P)], [rng.randrange(V) for _ in range(R)], float(rng.random() < 0.3)))
+resp_tokens = sum(len(r) for _, r, _ in seqs)
+
+def rss_gb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+
+base_rss = rss_gb()
+
+if args["mode"] == "naive":
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    L = max(len(p) + len(r) for p, r, _ in seqs)
+    ids = torch.zeros(len(seqs), L, dtype=torch.long)
+    attn = torch.zeros(len(seqs), L, dtype=torch.long)
+    lmask = torch.zeros(len(seqs), L, dtype=torch.float32)
+    rewards = torch.tensor([x for _, _, x in seqs])
+    adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+    for b, (p, r, _) in enumerate(seqs):
+        s = p + r
+        ids[b, : len(s)] = torch.tensor(s)
+        attn[b, : len(s)] = 1
+        lmask[b, len(p) : len(s)] = 1
+    old = None
+    def update():
+        global old
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        m = lmask[:, 1:]
+        if old is None:
+            old = logp.detach()
+        ratio = torch.exp(logp - old)
+        a = adv[:, None]
+        loss = -(torch.min(ratio * a, ratio.clamp(0.8, 1.28) * a) * m).sum() / m.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+else:
+    from conveyor.config import LossConfig, TrainerConfig
+    from conveyor.trainer.trainer import Trainer
+    from conveyor.types import Sample, Trajectory
+    trainer = Trainer(model, TrainerConfig(lr=1e-6, warmup_steps=0, num_threads=args["threads"]), LossConfig(), temperature=0.7)
+    sample = Sample(id="bench/0", question="q", answer="0", dataset="bench")
+    trajs = []
+    for i, (p, r, x) in enumerate(seqs):
+        trajs.append(Trajectory(sample=sample, group_id=f"g{i // 4}", prompt_ids=p, response_ids=r,
+                                behaviour_logprobs=[-2.0] * len(r), versions=[0] * len(r), reward=x))
+    def update():
+        trainer.train_step(trajs)
+    if args["mode"] == "accuracy":
+        from conveyor.trainer.batch import pack, plan_micro_batches
+        from conveyor.trainer.logprobs import token_logprobs
+        model.eval()
+        errs = []
+        with torch.no_grad():
+            for p, r, _ in seqs[:8]:
+                s = torch.tensor([p + r])
+                ref = torch.log_softmax(model(input_ids=s).logits.float()[0, :-1] / 0.7, -1).gather(-1, s[0, 1:, None])[:, 0]
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    ours, _ = token_logprobs(model, s, torch.arange(s.shape[1])[None], torch.cat([s[:, 1:], s[:, :1]], 1),
+                                             temperature=0.7, chunk_tokens=512)
+                ours = ours[0, :-1]
+                errs.append((ours.float() - ref)[len(p) - 1 :].abs())
+        e = torch.cat(errs)
+        print(json.dumps({"logprob_abs_err_max": e.max().item(), "logprob_abs_err_mean": e.mean().item(), "tokens": e.numel()}))
+        sys.exit(0)
+
+update()  # warm-up (allocations, autocast caches)
+times = []
+for _ in range(args["updates"]):
+    t0 = time.perf_counter()
+    update()
+    times.append(time.perf_counter() - t0)
+sec = sorted(times)[len(times) // 2]
+print(json.dumps({"mode": args["mode"], "update_s": sec, "updates": times, "response_tokens": resp_tokens,
+                  "tokens_per_s": resp_tokens / sec, "peak_rss_gb": rss_gb(), "rss_after_load_gb": base_rss}))
+"""
+
+
+def _child(cfg: dict) -> dict:
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise SystemExit(f"{cfg['mode']} child failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--sequences", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=60)
+    ap.add_argument("--response-len", type=int, default=50)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--updates", type=int, default=1, help="timed updates after the warm-up (median reported)")
+    ap.add_argument("--quick", action="store_true", help="tiny model, 8 sequences (CI smoke run)")
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.model, args.sequences, args.prompt_len, args.response_len = "tiny", 8, 20, 16
+    cfg = {"model": args.model, "sequences": args.sequences, "prompt_len": args.prompt_len,
+           "response_len": args.response_len, "threads": args.threads, "updates": args.updates}
+    naive = _child({**cfg, "mode": "naive"})
+    ours = _child({**cfg, "mode": "conveyor"})
+    acc = _child({**cfg, "mode": "accuracy"})
+    res = {
+        **cfg, "naive": naive, "conveyor": ours, "logprob_error": acc,
+        "speedup_tokens_per_s": ours["tokens_per_s"] / naive["tokens_per_s"],
+        "memory_ratio_naive_over_conveyor": naive["peak_rss_gb"] / ours["peak_rss_gb"],
+        "conveyor_peak_rss_gb": ours["peak_rss_gb"], "naive_peak_rss_gb": naive["peak_rss_gb"],
+        "cpu_count": os.cpu_count(),
+    }
+    print(json.dumps(res))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(res, f, indent=2)
+    return res
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

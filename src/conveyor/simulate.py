@@ -1,0 +1,597 @@
+"""A discrete-event model of an asynchronous RL pipeline, for planning runs on machines conveyor
+has never run on (``conveyor simulate``).
+
+Built on ``simpy``. The model follows the runtime of :mod:`conveyor.train` (MISSION.md section 1):
+
+- **Rollout workers** (one inference engine each) run continuous batching: between decode steps
+  waiting requests join the running batch (up to ``max_batch_size``), paying a prefill of
+  ``prefill_s_per_token`` per prompt token; one decode step of a batch of ``b`` sequences takes
+  ``decode_base_s + decode_per_seq_s * b`` seconds and gives every sequence one token.
+- **Episodes** (groups of ``group_size`` trajectories sharing a prompt) wait ``env_latency_s``
+  (a simulated environment / tool call) after each of their ``turns`` generation turns.
+- **Controller**: AReaL's capacity rule (MISSION.md section 1):
+  ``capacity(v) = min(max_concurrent - running, (eta + v + 1) * B - (accepted + running))`` with
+  ``B = batch_size * group_size`` trajectories per update; ``eta = 0`` is synchronous training,
+  ``eta = 1`` one-step overlap.
+- **Buffer / trainer**: the trainer takes the ``B`` oldest finished trajectories, drops any older
+  than ``eta`` versions (counted), trains for ``step_base_s + s_per_token * tokens`` seconds
+  (tokens = prompt + response of the batch), then publishes weights: ``sync.seconds`` during
+  which the trainer waits and every engine is paused; with ``sync.reencode`` the in-flight
+  requests are re-encoded (prefill of prompt + partial response) afterwards.
+- **Dedicated old-logit model** (MISSION.md section 2, optional): each finished trajectory is
+  queued on ``proximal.devices`` servers for ``proximal.s_per_token * tokens`` seconds before it
+  reaches the buffer; with ``devices = 0`` and ``s_per_token > 0`` the trainer recomputes the
+  proximal log-probs itself (the time is added to its step).
+
+Staleness of a trajectory = trainer version at its update minus the version that produced its
+oldest response token (the first decode step that reached it), as in the real trainer.
+
+All times are seconds of simulated wall-clock; token counts are tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Dist(_Strict):
+    """Distribution of a non-negative quantity (tokens or seconds).
+
+    Attributes:
+        kind: ``constant`` (``value``), ``lognormal`` (``median`` and ``sigma`` of the underlying
+            normal), ``uniform`` (``low``..``high``) or ``empirical`` (resample ``values``).
+        scale: Multiplier applied to every draw (e.g. 32k-token responses from a measured shape).
+        max: Optional upper bound applied after scaling (e.g. max new tokens).
+        integer: Round draws to the nearest integer >= 1 (token counts).
+    """
+
+    kind: Literal["constant", "lognormal", "uniform", "empirical"] = "constant"
+    value: float = 0.0
+    median: float = 1.0
+    sigma: float = 1.0
+    low: float = 0.0
+    high: float = 1.0
+    values: list[float] = Field(default_factory=list)
+    scale: float = 1.0
+    max: float | None = None
+    integer: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> Dist:
+        if self.kind == "empirical" and not self.values:
+            raise ValueError("an empirical distribution needs a non-empty 'values' list")
+        if self.kind == "lognormal" and (self.median <= 0 or self.sigma < 0):
+            raise ValueError(f"lognormal needs median > 0 and sigma >= 0, got {self.median}, {self.sigma}")
+        if self.kind == "uniform" and self.high < self.low:
+            raise ValueError(f"uniform needs low <= high, got {self.low}, {self.high}")
+        if self.scale < 0:
+            raise ValueError(f"scale must be >= 0, got {self.scale}")
+        return self
+
+    def draw(self, rng: random.Random) -> float:
+        """One draw (after ``scale``, ``max`` and ``integer``)."""
+        if self.kind == "constant":
+            x = self.value
+        elif self.kind == "lognormal":
+            x = self.median * math.exp(self.sigma * rng.gauss(0.0, 1.0))
+        elif self.kind == "uniform":
+            x = rng.uniform(self.low, self.high)
+        else:
+            x = rng.choice(self.values)
+        x *= self.scale
+        if self.max is not None:
+            x = min(x, self.max)
+        x = max(0.0, x)
+        return float(max(1, round(x))) if self.integer else x
+
+    def mean(self) -> float:
+        """Expected value before ``max`` (exact for constant / uniform / empirical / lognormal)."""
+        if self.kind == "constant":
+            m = self.value
+        elif self.kind == "lognormal":
+            m = self.median * math.exp(self.sigma**2 / 2)
+        elif self.kind == "uniform":
+            m = (self.low + self.high) / 2
+        else:
+            m = sum(self.values) / len(self.values)
+        return m * self.scale
+
+
+class RolloutSim(_Strict):
+    """Rollout side: ``workers`` engines with continuous batching (see the module docstring)."""
+
+    workers: int = Field(1, ge=1)
+    max_batch_size: int = Field(32, ge=1)
+    decode_base_s: float = Field(0.05, ge=0)
+    decode_per_seq_s: float = Field(0.002, ge=0)
+    prefill_s_per_token: float = Field(0.0, ge=0)
+    prompt_tokens: Dist = Field(default_factory=lambda: Dist(kind="constant", value=64, integer=True))
+    response_tokens: Dist = Field(default_factory=lambda: Dist(kind="constant", value=64, integer=True))
+    env_latency_s: Dist = Field(default_factory=lambda: Dist(kind="constant", value=0.0))
+    turns: int = Field(1, ge=1)
+    max_jump_steps: int = Field(8, ge=1)
+
+
+class TrainerSim(_Strict):
+    """Trainer: one update takes ``step_base_s + s_per_token * tokens / devices`` seconds;
+    ``sync_mode_speedup`` divides it at ``eta = 0`` when trainer and engines share hardware (the
+    synchronous trainer gets the idle rollout devices too); 1 means separate hardware."""
+
+    devices: int = Field(1, ge=1)
+    step_base_s: float = Field(0.0, ge=0)
+    s_per_token: float = Field(0.01, ge=0)
+    sync_mode_speedup: float = Field(1.0, gt=0)
+
+
+class SyncSim(_Strict):
+    """Weight publication: trainer blocked and engines paused for ``seconds``; ``reencode``
+    re-prefills in-flight requests with the new weights (interruptible rollouts)."""
+
+    seconds: float = Field(0.0, ge=0)
+    reencode: bool = True
+
+
+class ProximalSim(_Strict):
+    """Old-logit (proximal) log-prob computation: a dedicated pool of ``devices`` servers, or
+    (``devices = 0``) a recompute inside the trainer step; ``s_per_token`` = forward seconds per
+    token on one device."""
+
+    devices: int = Field(0, ge=0)
+    s_per_token: float = Field(0.0, ge=0)
+
+
+class SimConfig(_Strict):
+    """A simulated pipeline. ``mode`` is a shorthand: ``sync`` sets eta 0, ``one_step`` eta 1,
+    ``async`` keeps ``eta`` (``None`` = unbounded)."""
+
+    mode: Literal["sync", "one_step", "async"] = "async"
+    eta: int | None = Field(2, ge=0)
+    steps: int = Field(10, ge=1)
+    batch_size: int = Field(8, ge=1)
+    group_size: int = Field(4, ge=1)
+    max_concurrent: int = Field(64, ge=1)
+    seed: int = 0
+    rollout: RolloutSim = Field(default_factory=RolloutSim)
+    trainer: TrainerSim = Field(default_factory=TrainerSim)
+    sync: SyncSim = Field(default_factory=SyncSim)
+    proximal: ProximalSim = Field(default_factory=ProximalSim)
+
+    @property
+    def effective_eta(self) -> int | None:
+        """eta after applying ``mode``."""
+        return {"sync": 0, "one_step": 1}.get(self.mode, self.eta)
+
+
+@dataclass
+class SimResult:
+    """What :func:`simulate` predicts.
+
+    Attributes:
+        wall_seconds: Simulated time until the last update's weights are published (s).
+        step_seconds: Wall-clock of each update (s), from the previous publication.
+        trainer_busy / rollout_busy: Busy fractions of ``wall_seconds`` (rollout: mean over
+            workers of time spent in prefill / decode).
+        staleness: Histogram ``{version lag: trajectories}`` of trained trajectories.
+        dropped_stale: Trajectories dropped as older than eta.
+        trajectories_per_s / tokens_per_s: Trained trajectories and tokens per second.
+        proximal_busy: Busy fraction of the dedicated old-logit pool (0 without one).
+    """
+
+    wall_seconds: float
+    step_seconds: list[float]
+    trainer_busy: float
+    rollout_busy: float
+    staleness: dict[int, int]
+    dropped_stale: int
+    trajectories_per_s: float
+    tokens_per_s: float
+    proximal_busy: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready summary (staleness as mean / max / histogram)."""
+        n = sum(self.staleness.values())
+        mean = sum(k * v for k, v in self.staleness.items()) / n if n else 0.0
+        return {
+            "wall_seconds": self.wall_seconds,
+            "mean_step_seconds": statistics.fmean(self.step_seconds) if self.step_seconds else 0.0,
+            "trainer_busy": self.trainer_busy,
+            "trainer_idle": 1.0 - self.trainer_busy,
+            "rollout_busy": self.rollout_busy,
+            "rollout_idle": 1.0 - self.rollout_busy,
+            "proximal_busy": self.proximal_busy,
+            "staleness_mean": mean,
+            "staleness_max": max(self.staleness) if self.staleness else 0,
+            "staleness_histogram": {str(k): v for k, v in sorted(self.staleness.items())},
+            "dropped_stale": self.dropped_stale,
+            "trajectories_per_s": self.trajectories_per_s,
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+
+# ----------------------------------------------------------------------------- the model
+@dataclass
+class _Req:
+    prompt: int
+    remaining: int
+    done: Any  # simpy event
+    generated: int = 0
+    first_version: int | None = None
+    needs_reencode: bool = False
+
+
+@dataclass
+class _Traj:
+    tokens: int
+    oldest_version: int
+
+
+class _Worker:
+    def __init__(self, env, cfg: RolloutSim, sim: _Sim):
+        self.env, self.cfg, self.sim = env, cfg, sim
+        self.active: list[_Req] = []
+        self.queue: list[_Req] = []
+        self.wake = env.event()
+        self.busy = 0.0
+        self.proc = env.process(self.run())
+
+    def load(self) -> int:
+        return len(self.active) + len(self.queue)
+
+    def submit(self, req: _Req) -> None:
+        self.queue.append(req)
+        if not self.wake.triggered:
+            self.wake.succeed()
+
+    def run(self):
+        env, cfg = self.env, self.cfg
+        while True:
+            if self.sim.paused is not None:
+                yield self.sim.paused
+                continue
+            prefill_tokens = 0
+            for r in self.active:
+                if r.needs_reencode:
+                    prefill_tokens += r.prompt + r.generated
+                    r.needs_reencode = False
+            while self.queue and len(self.active) < cfg.max_batch_size:
+                r = self.queue.pop(0)
+                prefill_tokens += r.prompt
+                self.active.append(r)
+            if not self.active:
+                self.wake = env.event()
+                yield self.wake
+                continue
+            if prefill_tokens:
+                dt = prefill_tokens * cfg.prefill_s_per_token
+                self.busy += dt
+                yield env.timeout(dt)
+            for r in self.active:
+                if r.first_version is None:
+                    r.first_version = self.sim.version
+            b = len(self.active)
+            n = min(min(r.remaining for r in self.active), cfg.max_jump_steps)
+            if self.queue and b < cfg.max_batch_size:
+                n = 1
+            dt = n * (cfg.decode_base_s + cfg.decode_per_seq_s * b)
+            self.busy += dt
+            yield env.timeout(dt)
+            still = []
+            for r in self.active:
+                r.remaining -= n
+                r.generated += n
+                if r.remaining <= 0:
+                    r.done.succeed()
+                else:
+                    still.append(r)
+            self.active = still
+
+
+class _Sim:
+    def __init__(self, cfg: SimConfig):
+        import simpy
+
+        self.cfg = cfg
+        self.env = simpy.Environment()
+        self.rng = random.Random(cfg.seed)
+        self.eta = cfg.effective_eta
+        self.B = cfg.batch_size * cfg.group_size
+        self.version = 0
+        self.running = 0
+        self.accepted = 0
+        self.paused = None
+        self.buffer: list[_Traj] = []
+        self.buffer_event = self.env.event()
+        self.controller_event = self.env.event()
+        self.workers = [_Worker(self.env, cfg.rollout, self) for _ in range(cfg.rollout.workers)]
+        self.proximal = simpy.Resource(self.env, capacity=cfg.proximal.devices) if cfg.proximal.devices else None
+        self.proximal_busy = 0.0
+        self.trainer_busy = 0.0
+        self.staleness: Counter[int] = Counter()
+        self.dropped = 0
+        self.step_seconds: list[float] = []
+        self.trained_tokens = 0
+        self.finished = self.env.event()
+
+    def _notify_controller(self):
+        if not self.controller_event.triggered:
+            self.controller_event.succeed()
+
+    def capacity(self) -> int:
+        free = self.cfg.max_concurrent - self.running
+        if self.eta is None:
+            return free
+        return min(free, (self.eta + self.version + 1) * self.B - (self.accepted + self.running))
+
+    def controller(self):
+        G = self.cfg.group_size
+        while not self.finished.triggered:
+            while self.capacity() >= G:
+                self.running += G
+                self.env.process(self.episode())
+            self.controller_event = self.env.event()
+            yield self.controller_event | self.finished
+
+    def episode(self):
+        cfg = self.cfg.rollout
+        G = self.cfg.group_size
+        prompt = int(cfg.prompt_tokens.draw(self.rng))
+        trajs = []
+        for _g in range(G):
+            trajs.append({"context": prompt, "tokens": prompt, "oldest": None})
+
+        def one(t):
+            for _turn in range(cfg.turns):
+                resp = int(cfg.response_tokens.draw(self.rng))
+                req = _Req(prompt=t["context"], remaining=resp, done=self.env.event())
+                min(self.workers, key=lambda w: w.load()).submit(req)
+                yield req.done
+                if t["oldest"] is None:
+                    t["oldest"] = req.first_version
+                t["context"] += resp
+                t["tokens"] += resp
+                lat = cfg.env_latency_s.draw(self.rng)
+                if lat > 0:
+                    yield self.env.timeout(lat)
+            if self.proximal is not None and self.cfg.proximal.s_per_token > 0:
+                with self.proximal.request() as slot:
+                    yield slot
+                    dt = self.cfg.proximal.s_per_token * t["tokens"]
+                    self.proximal_busy += dt
+                    yield self.env.timeout(dt)
+
+        yield self.env.all_of([self.env.process(one(t)) for t in trajs])
+        self.running -= G
+        self.accepted += G
+        self.buffer.extend(_Traj(t["tokens"], t["oldest"] if t["oldest"] is not None else self.version) for t in trajs)
+        if not self.buffer_event.triggered:
+            self.buffer_event.succeed()
+        self._notify_controller()
+
+    def trainer(self):
+        cfg = self.cfg
+        last = 0.0
+        for _ in range(cfg.steps):
+            while True:
+                if self.eta is not None:
+                    fresh = [t for t in self.buffer if self.version - t.oldest_version <= self.eta]
+                    dropped = len(self.buffer) - len(fresh)
+                    if dropped:
+                        self.dropped += dropped
+                        self.buffer = fresh
+                        self.accepted -= dropped  # freed capacity, as StalenessManager.on_drop
+                        self._notify_controller()
+                if len(self.buffer) >= self.B:
+                    break
+                self.buffer_event = self.env.event()
+                yield self.buffer_event
+            self.buffer.sort(key=lambda t: t.oldest_version)
+            batch, self.buffer = self.buffer[: self.B], self.buffer[self.B :]
+            tokens = sum(t.tokens for t in batch)
+            for t in batch:
+                self.staleness[self.version - t.oldest_version] += 1
+            dt = cfg.trainer.step_base_s + cfg.trainer.s_per_token * tokens / cfg.trainer.devices
+            if self.proximal is None and cfg.proximal.s_per_token > 0:
+                dt += cfg.proximal.s_per_token * tokens / cfg.trainer.devices
+            if self.eta == 0:
+                dt /= cfg.trainer.sync_mode_speedup
+            self.trainer_busy += dt
+            yield self.env.timeout(dt)
+            if cfg.sync.seconds > 0:
+                self.paused = self.env.event()
+                yield self.env.timeout(cfg.sync.seconds)
+                self.trainer_busy += cfg.sync.seconds
+                ev, self.paused = self.paused, None
+                ev.succeed()
+            self.version += 1
+            self.trained_tokens += tokens
+            if cfg.sync.reencode:
+                for w in self.workers:
+                    for r in w.active:
+                        r.needs_reencode = True
+            self.step_seconds.append(self.env.now - last)
+            last = self.env.now
+            self._notify_controller()
+        self.finished.succeed()
+
+    def run(self) -> SimResult:
+        self.env.process(self.controller())
+        self.env.process(self.trainer())
+        self.env.run(until=self.finished)
+        wall = self.env.now
+        n = self.cfg.steps * self.B
+        return SimResult(
+            wall_seconds=wall,
+            step_seconds=self.step_seconds,
+            trainer_busy=self.trainer_busy / wall if wall else 0.0,
+            rollout_busy=(sum(w.busy for w in self.workers) / len(self.workers) / wall) if wall else 0.0,
+            staleness=dict(self.staleness),
+            dropped_stale=self.dropped,
+            trajectories_per_s=n / wall if wall else 0.0,
+            tokens_per_s=self.trained_tokens / wall if wall else 0.0,
+            proximal_busy=(self.proximal_busy / (self.cfg.proximal.devices * wall)) if self.proximal and wall else 0.0,
+        )
+
+
+def simulate(cfg: SimConfig) -> SimResult:
+    """Run the discrete-event model of ``cfg`` (see the module docstring) until ``cfg.steps``
+    updates are published.
+
+    Returns:
+        A :class:`SimResult` (seconds of simulated wall-clock, busy fractions, staleness).
+    """
+    return _Sim(cfg).run()
+
+
+# ----------------------------------------------------------------------------- calibration
+def _fit_line(xs: list[float], ys: list[float], ws: list[float] | None = None) -> tuple[float, float]:
+    """Weighted least squares ``y = a + b x``; ``a, b`` clamped to >= 0 (refit through the origin
+    when the intercept would be negative)."""
+    ws = ws or [1.0] * len(xs)
+    sw = sum(ws)
+    if sw == 0 or not xs:
+        raise ValueError("no data to fit")
+    mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / sw
+    my = sum(w * y for w, y in zip(ws, ys, strict=True)) / sw
+    vxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
+    if vxx <= 1e-12:
+        return (max(0.0, my - 0.0), 0.0) if mx == 0 else (0.0, max(0.0, my / mx))
+    b = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True)) / vxx
+    a = my - b * mx
+    if a < 0:
+        b = sum(w * x * y for w, x, y in zip(ws, xs, ys, strict=True)) / sum(w * x * x for w, x in zip(ws, xs, strict=True))
+        a = 0.0
+    return a, max(0.0, b)
+
+
+def calibrate(run_dir: str | Path) -> SimConfig:
+    """A :class:`SimConfig` reproducing a real run, from the trace its run directory holds.
+
+    Reads ``config.json`` (eta, batch, group, concurrency, steps), ``engine_stats.json`` (decode
+    forward seconds per batch size, fitted to ``base + per_seq * b``, plus the sampling seconds
+    per generated token added to ``per_seq``; prefill seconds per token),
+    ``trained.jsonl`` (prompt / response lengths of every trained trajectory, and its episode's
+    environment wait plus reward-scoring latency as ``env_latency_s``: empirical distributions)
+    and ``metrics.jsonl`` (trainer seconds vs tokens per update, fitted to ``base + s_per_token *
+    tokens``, the first update excluded as warm-up when there are more than two, plus the median
+    bookkeeping seconds between updates; weight-sync seconds, median).
+
+    Raises:
+        FileNotFoundError: a required file is missing (the message names it).
+        ValueError: the trace holds too little data to fit (e.g. no finished update).
+    """
+    run_dir = Path(run_dir)
+    paths = {n: run_dir / n for n in ("config.json", "engine_stats.json", "trained.jsonl", "metrics.jsonl")}
+    for n, p in paths.items():
+        if not p.is_file():
+            raise FileNotFoundError(f"{p}: missing; calibrate needs a run directory written by `conveyor train` ({n})")
+    conf = json.loads(paths["config.json"].read_text())
+    eng = json.loads(paths["engine_stats.json"].read_text())
+    prof = {int(b): v for b, v in eng.get("decode_profile", {}).items()}
+    if not prof:
+        raise ValueError(f"{paths['engine_stats.json']}: no decode_profile (no decode step was run)")
+    bs = sorted(prof)
+    base, per_seq = _fit_line([float(b) for b in bs], [prof[b][1] / prof[b][0] for b in bs], [float(prof[b][0]) for b in bs])
+    if eng.get("generated_tokens"):  # sampling runs once per generated token, outside the profile
+        per_seq += eng.get("sample_seconds", 0.0) / eng["generated_tokens"]
+    prefill = eng["prefill_seconds"] / eng["prefill_tokens"] if eng.get("prefill_tokens") else 0.0
+    prompts: list[float] = []
+    responses: list[float] = []
+    env_waits: list[float] = []
+    for line in paths["trained.jsonl"].read_text().splitlines():
+        rec = json.loads(line)
+        for g in rec["groups"]:
+            for p, r in g.get("lengths", []):
+                prompts.append(p)
+                responses.append(r)
+            env = g.get("env_seconds") or [0.0] * len(g.get("lengths", []))
+            rew = g.get("reward_seconds") or [0.0] * len(env)
+            env_waits.extend(e + r for e, r in zip(env, rew, strict=False))  # the episode waits for both
+    if not responses:
+        raise ValueError(f"{paths['trained.jsonl']}: no trajectory lengths recorded")
+    steps = [json.loads(line) for line in paths["metrics.jsonl"].read_text().splitlines() if line.strip()]
+    steps = [m for m in steps if "time/train_step_s" in m]
+    if not steps:
+        raise ValueError(f"{paths['metrics.jsonl']}: no finished update")
+    fit = steps[1:] if len(steps) > 2 else steps
+    # train/tokens counts response tokens; the simulator's tokens are prompt + response
+    mean_prompt = statistics.fmean(prompts)
+    B = conf["trainer"]["batch_size"] * conf["rollout"]["group_size"]
+    t_base, t_tok = _fit_line([m["train/tokens"] + B * mean_prompt for m in fit], [m["time/train_step_s"] for m in fit])
+    sync_s = statistics.median(m.get("time/weight_sync_s", 0.0) for m in steps)
+    books = [m["time/bookkeeping_s"] for m in steps if "time/bookkeeping_s" in m]
+    t_base += statistics.median(books) if books else 0.0  # metrics, logs, checkpoints between updates
+    env = Dist(kind="empirical", values=env_waits) if any(w > 0 for w in env_waits) else Dist(kind="constant", value=0.0)
+    return SimConfig(
+        mode="async",
+        eta=conf["async"]["eta"],
+        steps=len(steps),
+        batch_size=conf["trainer"]["batch_size"],
+        group_size=conf["rollout"]["group_size"],
+        max_concurrent=max(conf["rollout"]["max_concurrent"], conf["rollout"]["group_size"]),
+        seed=conf["run"]["seed"],
+        rollout=RolloutSim(
+            workers=1, max_batch_size=conf["rollout"]["max_batch_size"], decode_base_s=base, decode_per_seq_s=per_seq,
+            prefill_s_per_token=prefill, prompt_tokens=Dist(kind="empirical", values=prompts, integer=True),
+            response_tokens=Dist(kind="empirical", values=responses, integer=True), env_latency_s=env,
+        ),
+        trainer=TrainerSim(step_base_s=t_base, s_per_token=t_tok),
+        sync=SyncSim(seconds=sync_s),
+    )
+
+
+def load_sim_config(path: str | Path, overrides: list[str] | None = None) -> SimConfig:
+    """Read a YAML / JSON simulator config and apply ``key.sub=value`` overrides (values parsed as
+    YAML, e.g. ``eta=4``, ``rollout.workers=64``).
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: invalid content (the message names the field).
+    """
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: no such simulator config")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: a simulator config must be a mapping, got {type(data).__name__}")
+    data = apply_overrides(data, overrides or [])
+    try:
+        return SimConfig.model_validate(data)
+    except Exception as e:
+        raise ValueError(f"{p}: invalid simulator config: {e}") from e
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set ``section.key=value`` overrides (values parsed as YAML) in a config mapping, in place.
+
+    Raises:
+        ValueError: an override without ``=`` or through a non-section key.
+    """
+    import yaml
+
+    for ov in overrides:
+        if "=" not in ov:
+            raise ValueError(f"override {ov!r}: expected key=value")
+        key, val = ov.split("=", 1)
+        node = data
+        parts = key.split(".")
+        for k in parts[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {ov!r}: {k} is not a section")
+        node[parts[-1]] = yaml.safe_load(val)
+    return data

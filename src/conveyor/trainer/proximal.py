@@ -1,0 +1,344 @@
+"""Proximal ("old logits") strategies: where the denominator of the policy ratio comes from when
+training data is stale (MISSION.md section 2, arXiv 2605.12070; AReaL arXiv 2505.24298 eq. 5).
+
+One config key, ``proximal.method``:
+
+============== ======================================================= =================== =========================
+method         old log-probs of a token sampled at version u           exact?              extra cost
+============== ======================================================= =================== =========================
+recompute      forward pass with the current parameters (version v)    only when u = v     one forward (free when
+                                                                                           ``minibatches = 1``: the
+                                                                                           gradient pass is reused)
+behavior       the engine's log-probs (bypass)                         inference-side      none
+snapshot       forward with a stored copy of the version-u parameters  yes (training side) (eta + 1) parameter copies,
+                                                                                           one forward per version
+interpolate    loglinear / linear mix of pi_behav and pi_theta with    no (rescales clip   none
+               AReaL's per-token alpha                                 bounds only)
+ewma           forward with an EWMA of the parameters (bias-corrected, no (proxy)          one parameter copy, one
+               adaptive decay, auto-reset on a low keep-rate)                              forward
+auto           the cheapest exact method that fits                     --                  see the chosen one
+               ``proximal.memory_budget_bytes``, else ewma
+============== ======================================================= =================== =========================
+
+A strategy never changes the trainer's parameters. Each reports its cost (``extra_bytes``: host
+memory it holds; the trainer logs the seconds it spends as ``time/proximal_s``) so the run report
+can compare methods.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from conveyor.sync import WeightUpdate
+from conveyor.trainer.corrections import interpolated_proximal, interpolation_alpha
+
+log = logging.getLogger(__name__)
+
+METHODS = ("recompute", "behavior", "snapshot", "interpolate", "ewma", "auto")
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    """Bytes of one copy of ``model``'s parameters and buffers (tied tensors counted once)."""
+    seen = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+@dataclass
+class ProximalStats:
+    """Per-step facts a strategy reports (merged into the trainer's metrics as ``proximal/*``)."""
+
+    values: dict[str, float] = field(default_factory=dict)
+    events: list[dict] = field(default_factory=list)
+
+
+class ProximalStrategy:
+    """Base class. The trainer calls, per step:
+
+    1. ``old_logprobs(trainer, mb)`` for every micro-batch before any optimiser step: a ``[R, L]``
+       tensor of old log-probs, or None to use the (detached) log-probs of the gradient forward
+       pass, computed with the current parameters;
+    2. ``from_forward(theta_logprobs, mb, version)`` when ``old_logprobs`` returned None and the
+       gradient pass has run: may transform the detached current log-probs (interpolation);
+    3. ``after_update(model, new_version, metrics)`` after the optimiser step(s).
+
+    Attributes:
+        name: The method name. exact: True if it recovers pi_old_train exactly at any staleness.
+    """
+
+    name = "base"
+    exact = False
+
+    def old_logprobs(self, trainer, mb) -> torch.Tensor | None:
+        return None
+
+    def from_forward(self, theta_logprobs: torch.Tensor, mb, version: int) -> torch.Tensor:
+        return theta_logprobs
+
+    def after_update(self, model: torch.nn.Module, new_version: int, metrics: dict[str, float]) -> ProximalStats:
+        return ProximalStats()
+
+    def extra_bytes(self) -> int:
+        """Host memory held by the strategy (bytes)."""
+        return 0
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        return None
+
+    def on_load(self, model: torch.nn.Module, version: int) -> None:
+        """The trainer's parameters were replaced by a checkpoint at ``version``."""
+        return None
+
+
+class Recompute(ProximalStrategy):
+    """Current parameters (AReaL's recompute); exact only for tokens sampled by them (u = v)."""
+
+    name = "recompute"
+
+
+class Behavior(ProximalStrategy):
+    """The inference engine's log-probs (no training-side old log-probs at all)."""
+
+    name = "behavior"
+
+    def old_logprobs(self, trainer, mb):
+        return mb.behaviour_logprobs
+
+
+class Interpolate(ProximalStrategy):
+    """AReaL's ``loglinear`` / ``linear`` proximal approximation with per-token alpha
+    (:func:`conveyor.trainer.corrections.interpolated_proximal`)."""
+
+    name = "interpolate"
+
+    def __init__(self, kind: str = "loglinear"):
+        if kind not in ("loglinear", "linear"):
+            raise ValueError(f"proximal.interpolation must be 'loglinear' or 'linear', got {kind!r}")
+        self.kind = kind
+
+    def from_forward(self, theta_logprobs, mb, version):
+        alpha = interpolation_alpha(mb.versions, version)
+        return interpolated_proximal(theta_logprobs, mb.behaviour_logprobs, alpha, mb.mask, kind=self.kind)
+
+
+class Snapshot(ProximalStrategy):
+    """Parameter snapshots of every version inside the staleness window (host memory); each
+    token's old log-prob is recomputed with the version that sampled it, version by version, so
+    a trajectory spanning versions is recomputed segment by segment.
+
+    Holds at most ``eta + 1`` copies: versions ``v - eta .. v``. Tokens whose version has no
+    snapshot (e.g. right after a resume: snapshots are not checkpointed) fall back to the
+    current parameters and are counted (``proximal/snapshot_missing_frac``).
+    """
+
+    name = "snapshot"
+    exact = True
+
+    def __init__(self, model: torch.nn.Module, eta: int, version: int):
+        if eta is None:
+            raise ValueError("proximal.method=snapshot needs a finite async.eta (the window to keep)")
+        self.eta = eta
+        self.snapshots: dict[int, WeightUpdate] = {}
+        self._scratch = copy.deepcopy(model).eval()
+        for p in self._scratch.parameters():
+            p.requires_grad_(False)
+        self._copy_bytes = param_bytes(model)
+        self.store(model, version)
+        self._missing = 0
+        self._tokens = 0
+
+    def store(self, model: torch.nn.Module, version: int) -> None:
+        """Keep a copy of ``model``'s parameters as ``version``; evict those older than
+        ``version - eta``."""
+        self.snapshots[version] = WeightUpdate.from_model(model, version)  # tied tensors stored once
+        for old in [u for u in self.snapshots if u < version - self.eta]:
+            del self.snapshots[old]
+
+    def old_logprobs(self, trainer, mb):
+        out = None
+        vers = mb.versions
+        present = sorted(int(u) for u in torch.unique(vers[mb.mask > 0]).tolist())
+        cur = trainer.version
+        for u in present:
+            sel = (vers == u) & (mb.mask > 0)
+            state = self.snapshots.get(u)
+            if u == cur or state is None:
+                if state is None and u != cur:
+                    self._missing += int(sel.sum())
+                model = trainer.model
+            else:
+                tensors = dict(state.tensors)
+                tensors.update({a: state.tensors[src] for a, src in state.aliases.items()})
+                self._scratch.load_state_dict(tensors, strict=True)
+                model = self._scratch
+            with torch.no_grad():
+                lp, _ = trainer._logprobs(model, mb)
+            out = lp if out is None else torch.where(sel, lp, out)
+            self._tokens += int(sel.sum())
+        return out if out is not None else torch.zeros_like(mb.behaviour_logprobs)
+
+    def on_load(self, model, version):
+        self.snapshots = {}
+        self.store(model, version)
+
+    def after_update(self, model, new_version, metrics):
+        self.store(model, new_version)
+        st = ProximalStats({"proximal/snapshots": float(len(self.snapshots)),
+                            "proximal/snapshot_missing_frac": self._missing / max(1, self._tokens)})
+        self._missing = self._tokens = 0
+        return st
+
+    def extra_bytes(self) -> int:
+        return self._copy_bytes * (len(self.snapshots) + 1)  # snapshots + the scratch model
+
+
+class EWMA(ProximalStrategy):
+    """PPO-EWMA (revised, MISSION.md section 2): the proximal policy is a bias-corrected
+    exponentially weighted moving average of the parameters, updated after every optimiser step:
+
+        W_t = beta * W_{t-1} + 1
+        theta_ewma <- (beta * W_{t-1} / W_t) * theta_ewma + theta / W_t
+
+    ``beta`` fixed (``proximal.ewma_beta``) or adaptive ``beta = W / (W + 2)`` with W the width
+    of the current version window (the batch's largest staleness + 1: the async degree), which
+    puts the average's centre of mass W / 2 steps back. Auto-reset: when the discrepancy
+    keep-rate (share of tokens whose ``pi_ewma / pi_behav`` lies in the loss's discrepancy band)
+    falls below ``reset_keep_rate`` (default 0.90), the EWMA is set to the current parameters and
+    averaging restarts (``W = 0``); the reset is reported as an event.
+    """
+
+    name = "ewma"
+
+    def __init__(self, model: torch.nn.Module, *, beta: float | None = None, reset_keep_rate: float = 0.90,
+                 discrepancy_low: float = 0.8, discrepancy_high: float = 1.25):
+        if beta is not None and not 0.0 <= beta < 1.0:
+            raise ValueError(f"proximal.ewma_beta must be in [0, 1) or null (adaptive), got {beta}")
+        self.beta = beta
+        self.reset_keep_rate = reset_keep_rate
+        self.lo, self.hi = discrepancy_low, discrepancy_high
+        self.model = copy.deepcopy(model).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.W = 1.0  # the initial parameters count as one observation
+        self._copy_bytes = param_bytes(model)
+        self._kept = 0
+        self._counted = 0
+        self.resets = 0
+
+    def old_logprobs(self, trainer, mb):
+        with torch.no_grad():
+            lp, _ = trainer._logprobs(self.model, mb)
+        m = mb.mask > 0
+        rho = torch.exp((lp - mb.behaviour_logprobs).clamp(-20, 20))
+        self._kept += int(((rho >= self.lo) & (rho <= self.hi) & m).sum())
+        self._counted += int(m.sum())
+        return lp
+
+    def current_beta(self, window: int) -> float:
+        """The decay: fixed, or ``W / (W + 2)`` for a version window of width ``window``."""
+        return self.beta if self.beta is not None else window / (window + 2.0)
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module, window: int) -> None:
+        """One bias-corrected EWMA step towards ``model``'s parameters."""
+        beta = self.current_beta(window)
+        w_prev = self.W
+        self.W = beta * w_prev + 1.0
+        a = beta * w_prev / self.W
+        src = dict(model.state_dict())
+        for k, t in self.model.state_dict().items():
+            if t.is_floating_point():
+                t.mul_(a).add_(src[k].to(t.dtype), alpha=1.0 / self.W)
+            else:
+                t.copy_(src[k])
+
+    @torch.no_grad()
+    def reset(self, model: torch.nn.Module) -> None:
+        """Set the EWMA to ``model``'s parameters and restart averaging."""
+        self.model.load_state_dict(model.state_dict())
+        self.W = 1.0
+        self.resets += 1
+
+    def after_update(self, model, new_version, metrics):
+        keep = self._kept / self._counted if self._counted else 1.0
+        window = int(metrics.get("staleness/max", 0.0)) + 1
+        st = ProximalStats({"proximal/ewma_keep_rate": keep, "proximal/ewma_beta": self.current_beta(window),
+                            "proximal/ewma_W": self.W})
+        if self._counted and keep < self.reset_keep_rate:
+            self.reset(model)
+            st.events.append({"event": "ewma_reset", "version": new_version, "keep_rate": keep,
+                              "threshold": self.reset_keep_rate})
+            log.info("EWMA proximal policy reset at version %d (keep-rate %.3f < %.2f)", new_version, keep, self.reset_keep_rate)
+        else:
+            self.update(model, window)
+        st.values["proximal/ewma_resets"] = float(self.resets)
+        self._kept = self._counted = 0
+        return st
+
+    def extra_bytes(self) -> int:
+        return self._copy_bytes
+
+    def state_dict(self) -> dict:
+        return {"W": self.W, "resets": self.resets, "params": {k: v.clone() for k, v in self.model.state_dict().items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            self.W = state["W"]
+            self.resets = state["resets"]
+            self.model.load_state_dict(state["params"])
+
+
+def choose_auto(model: torch.nn.Module, eta: int | None, budget_bytes: int) -> tuple[str, str]:
+    """``auto``: the cheapest exact method that fits ``budget_bytes`` of host memory, else ewma.
+
+    Returns:
+        ``(method, reason)``.
+    """
+    one = param_bytes(model)
+    if eta == 0:
+        return "recompute", "eta = 0: every token comes from the current parameters, recompute is exact and free"
+    if eta is not None and (eta + 2) * one <= budget_bytes:
+        return "snapshot", f"snapshots need (eta + 2) x {one / 2**20:.0f} MiB = {(eta + 2) * one / 2**20:.0f} MiB <= budget {budget_bytes / 2**20:.0f} MiB"
+    need = "unbounded eta" if eta is None else f"{(eta + 2) * one / 2**20:.0f} MiB"
+    return "ewma", f"snapshots need {need} > budget {budget_bytes / 2**20:.0f} MiB; ewma needs one copy ({one / 2**20:.0f} MiB)"
+
+
+def build_strategy(method: str, model: torch.nn.Module, *, eta: int | None, version: int = 0,
+                   interpolation: str = "loglinear", ewma_beta: float | None = None, ewma_reset_keep_rate: float = 0.90,
+                   discrepancy_low: float = 0.8, discrepancy_high: float = 1.25,
+                   memory_budget_bytes: int = 4 * 2**30) -> tuple[ProximalStrategy, str]:
+    """Build the strategy named ``method`` (one of ``METHODS``).
+
+    Returns:
+        ``(strategy, note)``: ``note`` explains an ``auto`` choice (empty otherwise).
+
+    Raises:
+        ValueError: unknown method or bad options.
+    """
+    note = ""
+    if method == "auto":
+        method, note = choose_auto(model, eta, memory_budget_bytes)
+    if method == "recompute":
+        return Recompute(), note
+    if method == "behavior":
+        return Behavior(), note
+    if method == "interpolate":
+        return Interpolate(interpolation), note
+    if method == "snapshot":
+        return Snapshot(model, eta, version), note
+    if method == "ewma":
+        return EWMA(model, beta=ewma_beta, reset_keep_rate=ewma_reset_keep_rate,
+                    discrepancy_low=discrepancy_low, discrepancy_high=discrepancy_high), note
+    raise ValueError(f"unknown proximal.method {method!r}; choose one of {METHODS}")

@@ -1,0 +1,76 @@
+"""Every benchmark's ``--quick`` mode runs (so the scripts never rot) and reports sane figures.
+
+The figures themselves are measured by the full runs and recorded under docs/results/; these tests
+only check that each script runs end to end on the tiny model and that its output is consistent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str) -> dict:
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", *args], capture_output=True,
+                       text=True, env=env, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1])
+
+
+def test_engine_benchmark_quick():
+    r = _run("engine.py")
+    assert r["model"] == "tiny" and r["requests"] == 16
+    assert r["useful_tokens"] == pytest.approx(r["length_mean"] * r["requests"])
+    # static batches decode every row to the batch's longest request: never fewer tokens than useful
+    assert r["hf_generated_tokens_incl_waste"] >= r["useful_tokens"]
+    assert r["ratio_engine_over_hf"] == pytest.approx(r["hf_wall_s"] / r["engine_wall_s"])
+    assert 0 < r["engine_latency_s"]["p50"] <= r["engine_latency_s"]["p99"] <= r["engine_wall_s"] + 1e-6
+
+
+def test_trainer_benchmark_quick():
+    r = _run("trainer.py")
+    for side in ("naive", "conveyor"):
+        assert r[side]["tokens_per_s"] > 0 and r[side]["peak_rss_gb"] >= r[side]["rss_after_load_gb"] > 0
+    assert r["speedup_tokens_per_s"] == pytest.approx(r["conveyor"]["tokens_per_s"] / r["naive"]["tokens_per_s"])
+    # bf16 chunked log-probs stay close to fp32 full log-softmax (nats)
+    assert r["logprob_error"]["logprob_abs_err_max"] < 0.1
+
+
+def test_weight_sync_benchmark_quick():
+    r = _run("weight_sync.py")
+    assert r["tied_aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert r["message_bytes_fp32"] < r["state_dict_bytes"] and r["message_bytes_bf16"] * 2 == r["message_bytes_fp32"]
+    assert r["reencoded_tokens"] > 0 and r["interrupted_requests"] == r["requests"] == r["multi_version_requests"]
+    assert r["pause_s"] > 0
+
+
+def test_async_vs_sync_benchmark_quick(tmp_path):
+    r = _run("async_vs_sync.py", "--out", str(tmp_path / "avs"))
+    assert (tmp_path / "avs" / "summary.json").is_file()
+    summ = json.loads((tmp_path / "avs" / "summary.json").read_text())
+    for prof in ("a", "b"):
+        runs = summ["profiles"][prof]["runs"]
+        assert set(runs) == {"0", "2"}
+        assert runs["0"]["staleness_max"] == 0 and runs["2"]["staleness_max"] <= 2
+        assert runs["0"]["steps"] == runs["2"]["steps"] == 2
+        assert runs["2"]["simulated_wall_s"] > 0 and runs["2"]["calibration_run"]
+    assert r["profile"] == "b"
+
+
+def test_proximal_costs_benchmark_quick():
+    r = _run("proximal_costs.py")
+    assert r["table"]
+    rows = {m: (copies, frac) for _eta, m, copies, frac in r["table"]}
+    assert set(rows) == {"recompute", "behavior", "interpolate", "ewma", "snapshot"}
+    assert rows["recompute"] == (0.0, 0.0) and rows["behavior"][0] == 0.0
+    assert rows["ewma"][0] == 1.0  # one EWMA copy
+    assert rows["snapshot"][0] == 3.0  # eta + 1 = 2 snapshots + the scratch model

@@ -1,0 +1,201 @@
+"""The discrete-event simulator on hand-checkable cases (issue 5)."""
+
+import json
+
+import pytest
+
+from conveyor.simulate import (
+    Dist,
+    RolloutSim,
+    SimConfig,
+    SyncSim,
+    TrainerSim,
+    calibrate,
+    load_sim_config,
+    simulate,
+)
+
+
+def _cfg(eta, steps=4, rollout_s=10.0, train_s=10.0, **kw):
+    # one worker serving one request at a time; a 10-token response at 1 s per token = 10 s
+    kw.setdefault("mode", "async")
+    return SimConfig(
+        eta=eta, steps=steps, batch_size=1, group_size=1, max_concurrent=64,
+        rollout=RolloutSim(workers=1, max_batch_size=1, decode_base_s=rollout_s / 10, decode_per_seq_s=0.0,
+                           prompt_tokens=Dist(kind="constant", value=5, integer=True),
+                           response_tokens=Dist(kind="constant", value=10, integer=True)),
+        trainer=TrainerSim(step_base_s=train_s, s_per_token=0.0), **kw,
+    )
+
+
+def test_synchronous_has_no_overlap():
+    r = simulate(_cfg(0))
+    assert r.wall_seconds == pytest.approx(4 * 20.0)  # 10 s rollout then 10 s update, 4 times
+    assert r.step_seconds == pytest.approx([20.0] * 4)
+    assert r.trainer_busy == pytest.approx(0.5)
+    assert r.rollout_busy == pytest.approx(0.5)
+    assert r.staleness == {0: 4}
+
+
+def test_mode_sync_overrides_eta():
+    assert simulate(_cfg(4, mode="sync")).wall_seconds == pytest.approx(80.0)
+    assert simulate(_cfg(0, mode="one_step")).wall_seconds == pytest.approx(50.0)
+
+
+def test_one_step_overlap_exact_times():
+    # t=0-10 episode A, 10-20 B (capacity 2 at version 0); updates at 10-20 (A), 20-30 (B),
+    # 30-40 (C, generated 20-30), 40-50 (D, generated 30-40)
+    r = simulate(_cfg(1))
+    assert r.wall_seconds == pytest.approx(50.0)
+    assert r.step_seconds == pytest.approx([20.0, 10.0, 10.0, 10.0])
+    assert r.staleness == {0: 1, 1: 3}
+    assert r.trainer_busy == pytest.approx(40 / 50)
+
+
+def test_staleness_never_exceeds_eta_and_more_eta_is_not_slower():
+    walls = []
+    for eta in (0, 1, 2, 4):
+        cfg = SimConfig(
+            eta=eta, steps=12, batch_size=4, group_size=2, max_concurrent=64,
+            rollout=RolloutSim(max_batch_size=8, decode_base_s=0.01, decode_per_seq_s=0.001,
+                               response_tokens=Dist(kind="lognormal", median=40, sigma=1.0, max=400, integer=True),
+                               env_latency_s=Dist(kind="lognormal", median=0.5, sigma=1.0)),
+            trainer=TrainerSim(step_base_s=0.5, s_per_token=0.001),
+        )
+        r = simulate(cfg)
+        assert max(r.staleness) <= eta
+        assert sum(r.staleness.values()) == 12 * 8
+        walls.append(r.wall_seconds)
+    assert walls[0] > walls[1] >= walls[-1] * 0.999
+
+
+def test_batching_and_prefill_cost():
+    # two requests decoded together: 10 steps of (1 + 2 * 0.5) s, plus a prefill of 2 x 5 tokens at 0.1 s
+    cfg = SimConfig(
+        eta=0, steps=1, batch_size=1, group_size=2,
+        rollout=RolloutSim(max_batch_size=4, decode_base_s=1.0, decode_per_seq_s=0.5, prefill_s_per_token=0.1,
+                           prompt_tokens=Dist(kind="constant", value=5, integer=True),
+                           response_tokens=Dist(kind="constant", value=10, integer=True)),
+        trainer=TrainerSim(step_base_s=1.0, s_per_token=0.01),
+    )
+    r = simulate(cfg)
+    # rollout 1 + 20 = 21 s; update 1 + 0.01 * (2 x 15 tokens) = 1.3 s
+    assert r.wall_seconds == pytest.approx(21.0 + 1.3)
+
+
+def test_env_latency_and_weight_sync():
+    cfg = _cfg(0, steps=2)
+    cfg.rollout.env_latency_s = Dist(kind="constant", value=3.0)
+    cfg.sync = SyncSim(seconds=2.0)
+    r = simulate(cfg)
+    assert r.wall_seconds == pytest.approx(2 * (10 + 3 + 10 + 2))
+
+
+def test_dedicated_proximal_pool_vs_recompute_in_trainer():
+    base = _cfg(0, steps=2)
+    base.proximal.s_per_token = 0.2  # 15 tokens -> 3 s
+    inline = simulate(base).wall_seconds
+    assert inline == pytest.approx(2 * (10 + 10 + 3))
+    base.proximal.devices = 1
+    r = simulate(base)
+    assert r.wall_seconds == pytest.approx(2 * (10 + 3 + 10))
+    assert r.proximal_busy == pytest.approx(6 / r.wall_seconds)
+
+
+def test_sync_mode_speedup_applies_only_at_eta_zero():
+    c = _cfg(0)
+    c.trainer.sync_mode_speedup = 2.0
+    assert simulate(c).wall_seconds == pytest.approx(4 * 15.0)
+    c1 = _cfg(1)
+    c1.trainer.sync_mode_speedup = 2.0
+    assert simulate(c1).wall_seconds == pytest.approx(50.0)
+
+
+def test_dist_validation_and_draws():
+    import random
+
+    rng = random.Random(0)
+    assert Dist(kind="constant", value=3.4, integer=True).draw(rng) == 3.0
+    assert Dist(kind="lognormal", median=100, sigma=2, max=50).draw(rng) <= 50
+    assert Dist(kind="empirical", values=[7]).draw(rng) == 7
+    assert Dist(kind="lognormal", median=2.0, sigma=0.0).mean() == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="values"):
+        Dist(kind="empirical")
+    with pytest.raises(ValueError):
+        SimConfig(eta=-1)
+
+
+def _fake_run(tmp_path, base=0.02, per_seq=0.003, t0=1.5, per_tok=0.004):
+    conf = {"async": {"eta": 2}, "trainer": {"batch_size": 2}, "rollout": {"group_size": 2, "max_concurrent": 16, "max_batch_size": 8},
+            "run": {"seed": 0}}
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    prof = {str(b): [10 * b, 10 * b * (base + per_seq * b)] for b in (1, 2, 4, 8)}
+    (tmp_path / "engine_stats.json").write_text(json.dumps({"decode_profile": prof, "prefill_seconds": 2.0, "prefill_tokens": 1000}))
+    lines, metrics = [], []
+    for step in range(1, 6):
+        groups = [{"group": f"g{step}{i}", "lengths": [[20, 30 + step], [20, 40]], "env_seconds": [0.0, 0.0]} for i in range(2)]
+        lines.append(json.dumps({"step": step, "groups": groups}))
+        resp = sum(30 + step + 40 for _ in range(2))
+        tokens = resp + 4 * 20
+        metrics.append(json.dumps({"step": step, "train/tokens": resp, "time/train_step_s": t0 + per_tok * tokens, "time/weight_sync_s": 0.1}))
+    (tmp_path / "trained.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "metrics.jsonl").write_text("\n".join(metrics) + "\n")
+
+
+def test_calibrate_recovers_the_trace(tmp_path):
+    _fake_run(tmp_path)
+    c = calibrate(tmp_path)
+    assert c.rollout.decode_base_s == pytest.approx(0.02)
+    assert c.rollout.decode_per_seq_s == pytest.approx(0.003)
+    assert c.rollout.prefill_s_per_token == pytest.approx(0.002)
+    assert c.trainer.step_base_s == pytest.approx(1.5)
+    assert c.trainer.s_per_token == pytest.approx(0.004)
+    assert c.sync.seconds == pytest.approx(0.1)
+    assert c.eta == 2 and c.steps == 5 and c.batch_size == 2 and c.group_size == 2
+    assert sorted(set(c.rollout.response_tokens.values)) == [31, 32, 33, 34, 35, 40]
+    assert simulate(c).wall_seconds > 0
+
+
+def test_calibrate_names_the_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        calibrate(tmp_path)
+
+
+def test_load_sim_config_with_overrides(tmp_path):
+    p = tmp_path / "sim.yaml"
+    p.write_text("eta: 1\nrollout:\n  workers: 2\n")
+    c = load_sim_config(p, ["eta=4", "rollout.workers=64", "trainer.devices=32"])
+    assert (c.eta, c.rollout.workers, c.trainer.devices) == (4, 64, 32)
+    p.write_text("eta: 1\nrollout:\n  wrokers: 2\n")
+    with pytest.raises(ValueError, match="wrokers"):
+        load_sim_config(p)
+
+
+def test_cli_simulate_modes_sweep_and_calibration(tmp_path):
+    from typer.testing import CliRunner
+
+    from conveyor.cli import app
+
+    p = tmp_path / "sim.yaml"
+    SimConfigDump = _cfg(2).model_dump()
+    import yaml
+
+    p.write_text(yaml.safe_dump(SimConfigDump))
+    out = tmp_path / "pred.json"
+    r = CliRunner().invoke(app, ["simulate", str(p), "steps=4", "--sweep", "trainer.step_base_s=10,20", "--output", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(out.read_text())
+    assert [(x["variant"], x["mode"]) for x in rows] == [
+        ("trainer.step_base_s=10", "sync"), ("trainer.step_base_s=10", "one_step"), ("trainer.step_base_s=10", "async"),
+        ("trainer.step_base_s=20", "sync"), ("trainer.step_base_s=20", "one_step"), ("trainer.step_base_s=20", "async"),
+    ]
+    assert rows[0]["wall_seconds"] == pytest.approx(80.0) and rows[3]["wall_seconds"] == pytest.approx(120.0)
+    run = tmp_path / "run"
+    run.mkdir()
+    _fake_run(run)
+    w = tmp_path / "cal.yaml"
+    r = CliRunner().invoke(app, ["simulate", str(run), "eta=4", "--modes", "async", "--write-config", str(w)])
+    assert r.exit_code == 0, r.output
+    assert load_sim_config(w).eta == 4
+    r = CliRunner().invoke(app, ["simulate", str(p), "--sweep", "nosuch=1,2"])
+    assert r.exit_code == 2 and "nosuch" in r.output
