@@ -111,3 +111,49 @@ def test_reward_exceptions_and_timeouts_do_not_stop_training(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["rollout/reward_failures"] > 0  # some injected failures happened and were counted
     assert all(r["reward/mean"] >= -1.0 for r in rows)
+
+
+def test_proximal_strategy_env_latency_and_simulator_trace(tmp_path):
+    """A run with an EWMA proximal policy, the two-ratio loss and simulated environment waits:
+    the cost ledger, the reset events and the calibration trace are written."""
+    from conveyor.simulate import calibrate, simulate
+
+    cfg = load_config(None, BASE + ["trainer.total_steps=3", "async.eta=2", f"run.dir={tmp_path / 'r'}",
+                                    "run.eval_before=false", "run.eval_after=false", "proximal.method=ewma",
+                                    "proximal.ewma_reset_keep_rate=1.0", "loss.name=two_ratio",
+                                    "rollout.env_latency.median_s=0.05", "rollout.env_latency.sigma=0.5"])
+    run_training(cfg)
+    run = tmp_path / "r"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["proximal/extra_bytes"] > 0 and "loss/discrepancy_keep_frac" in r for r in rows)
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "proximal" and e["method"] == "ewma" for e in events)
+    # keep-rate threshold 1.0: any filtered token triggers a reset, logged as an event
+    resets = [e for e in events if e["event"] == "ewma_reset"]
+    assert len(resets) == sum(r["proximal/ewma_keep_rate"] < 1.0 for r in rows)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["proximal"]["method"] == "ewma" and summary["proximal"]["extra_bytes"] > 0
+    groups = [g for r in trained_groups(run) for g in r["groups"]]
+    assert all(len(g["lengths"]) == 2 and all(w > 0 for w in g["env_seconds"]) for g in groups)
+    sim = calibrate(run)
+    assert sim.eta == 2 and sim.rollout.env_latency_s.kind == "empirical"
+    assert simulate(sim).wall_seconds > 0
+
+
+def test_env_latency_workflow_waits_and_records():
+    import asyncio
+
+    from conveyor.rollout.workflow import EnvLatencyWorkflow
+
+    class Inner:
+        async def run_episode(self, engine, sample):
+            from conveyor.types import Sample, Trajectory
+            return [Trajectory(sample=Sample("s", "q", "1", "t"), group_id="g", prompt_ids=[1], response_ids=[2],
+                               behaviour_logprobs=[0.0], versions=[0])]
+
+    wf = EnvLatencyWorkflow(Inner(), median_s=0.02, sigma=0.0, max_s=1.0)
+    out = asyncio.run(wf.run_episode(None, None))
+    assert out[0].metadata["env_seconds"] == pytest.approx(0.02)
+    assert EnvLatencyWorkflow(Inner(), median_s=5.0, sigma=3.0, max_s=0.5).sample_latency() <= 0.5
+    with pytest.raises(ValueError, match="median_s"):
+        EnvLatencyWorkflow(Inner(), median_s=0.0)
