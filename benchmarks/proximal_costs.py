@@ -12,6 +12,11 @@ really recomputes one forward per version. The plain step is ``recompute`` with 
 memory is the strategy's own ledger (``proximal/extra_bytes``: snapshots + scratch model, the
 EWMA copy), divided by the bytes of one parameter copy.
 
+``partial_sync`` and ``dedicated`` live in the runtime (they pause the engine / run a worker next
+to it), so they are measured in real ``conveyor train`` runs (``--runtime-steps`` updates, same
+config, eta as above) against a ``recompute`` run: extra time = wall-clock per update (steady
+state, from the second update on) relative to recompute's, extra memory from the ledger.
+
 Prints one JSON line per cell and a final JSON table.
 """
 
@@ -39,11 +44,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--response-len", type=int, default=48)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runtime-steps", type=int, default=8, help="updates of each partial_sync / dedicated / recompute run (0 skips them)")
+    ap.add_argument("--runtime-model", default="tiny", help="model of the runtime runs")
     ap.add_argument("--quick", action="store_true", help="tiny model, eta 1, 1 step, 4 sequences (CI smoke run)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     if args.quick:
         args.model, args.etas, args.steps, args.sequences, args.response_len = "tiny", "1", 1, 4, 8
+        args.runtime_steps = 3
 
     import torch
 
@@ -99,12 +107,53 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(row)
             print(json.dumps(row), flush=True)
             del tr, model
+    if args.runtime_steps > 0:
+        rows += _runtime_rows(args, [int(e) for e in args.etas.split(",")], one if args.runtime_model == args.model else None)
     res = {"model": args.model, "sequences": args.sequences, "threads": args.threads, "rows": rows, "cpu_count": os.cpu_count()}
-    print(json.dumps({"table": [(r["eta"], r["method"], round(r["extra_memory_copies"], 2), round(r["extra_time_frac"], 3)) for r in rows]}))
+    print(json.dumps({"table": [(r["eta"], r["method"], r["extra_memory_copies"] and round(r["extra_memory_copies"], 2),
+                                 round(r["extra_time_frac"], 3)) for r in rows]}))
     if args.output:
         with open(args.output, "w") as f:
             json.dump(res, f, indent=2)
     return res
+
+
+def _runtime_rows(args, etas: list[int], one: int | None) -> list[dict]:
+    """partial_sync / dedicated vs recompute in real tiny-config ``conveyor train`` runs."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for eta in etas:
+            walls = {}
+            for method in ("recompute", "partial_sync", "dedicated"):
+                run = Path(tmp) / f"{method}_{eta}"
+                cmd = [sys.executable, "-m", "conveyor.cli", "train", f"model.name={args.runtime_model}",
+                       f"trainer.total_steps={args.runtime_steps}", "trainer.batch_size=4", "rollout.group_size=4",
+                       "rollout.max_new_tokens=32", f"async.eta={eta}", f"proximal.method={method}",
+                       "run.eval_before=false", "run.eval_after=false", "run.export=false", "run.progress=false",
+                       "run.checkpoint_every=1000", f"run.dir={run}"]
+                p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+                if p.returncode != 0:
+                    raise SystemExit(f"{method} run failed:\n{p.stderr[-3000:]}")
+                ms = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+                steady = ms[1:] or ms
+                wall = statistics.fmean(m["time/step_wall_s"] for m in steady)
+                walls[method] = wall
+                summ = json.loads((run / "summary.json").read_text())
+                extra = summ["proximal"]["extra_bytes"]
+                row = {"model": args.runtime_model, "eta": eta, "method": method, "step_wall_s": wall,
+                       "proximal_s": statistics.fmean(m["time/proximal_s"] for m in steady),
+                       "extra_time_frac": wall / walls["recompute"] - 1.0, "extra_bytes": extra,
+                       "extra_memory_copies": extra / one if one else None, "runtime": True,
+                       "missing_frac": max(m.get("proximal/partial_sync_missing_frac", 0.0) for m in ms)}
+                if method == "dedicated":
+                    row["dedicated_wait_s"] = statistics.fmean(m.get("proximal/dedicated_wait_s", 0.0) for m in steady)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
 
 
 if __name__ == "__main__":

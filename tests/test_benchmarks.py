@@ -69,8 +69,10 @@ def test_async_vs_sync_benchmark_quick(tmp_path):
 def test_proximal_costs_benchmark_quick():
     r = _run("proximal_costs.py")
     assert r["table"]
-    rows = {m: (copies, frac) for _eta, m, copies, frac in r["table"]}
+    rows = {m: (copies, frac) for _eta, m, copies, frac in r["table"][:5]}
     assert set(rows) == {"recompute", "behavior", "interpolate", "ewma", "snapshot"}
     assert rows["recompute"] == (0.0, 0.0) and rows["behavior"][0] == 0.0
+    runtime = {m: copies for _eta, m, copies, _frac in r["table"][5:]}
+    assert runtime == {"recompute": 0.0, "partial_sync": 0.0, "dedicated": 1.0}
     assert rows["ewma"][0] == 1.0  # one EWMA copy
     assert rows["snapshot"][0] == 3.0  # eta + 1 = 2 snapshots + the scratch model

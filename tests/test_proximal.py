@@ -205,3 +205,114 @@ def test_aggregation_modes_are_micro_batch_invariant(tiny, agg):
         tr.train_step(trajs)
         grads.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_partial_sync_equals_oracle_for_the_tokens_it_covers(tiny):
+    import time
+
+    from conveyor.rollout.engine import InferenceEngine, SamplingParams
+    from conveyor.trainer.proximal import score_partials
+
+    tr = _trainer(tiny, "partial_sync", eta=4)
+    eng_model = copy.deepcopy(tiny.model)
+    eng = InferenceEngine(eng_model, tiny.tokenizer, track_partials=True, num_threads=1, seed=1)
+    prompts = [[5 + i, 17, 300 + i, 42] for i in range(3)]
+    weights = {0: WeightUpdate.from_model(eng_model, 0)}
+    gen = torch.Generator().manual_seed(0)
+    eng.start()
+    try:
+        with pytest.raises(RuntimeError, match="paused"):
+            eng.partial_requests()
+        futs = [eng.submit(p, SamplingParams(max_new_tokens=400, temperature=1.0, ignore_eos=True)) for p in prompts]
+        for v in (1, 2):
+            start = eng.stats()["decode_steps"]
+            while eng.stats()["decode_steps"] < start + 10:
+                time.sleep(0.0005)
+            eng.pause()
+            score_partials(tr, eng.model, eng.partial_requests(), eng.version)
+            new = {k: t + 0.05 * torch.randn(t.shape, generator=gen) * t.abs().mean()
+                   for k, t in WeightUpdate.from_model(eng.model, v).tensors.items()}
+            eng.update_weights(WeightUpdate(version=v, tensors=new))
+            weights[v] = WeightUpdate.from_model(eng.model, v)
+            eng.resume()
+        outs = [f.result() for f in futs]
+        eng.pause()
+        parts = eng.partial_requests()  # the finished requests, remembered until this call
+        assert len(parts) == 3 and all(p.finished for p in parts)
+        score_partials(tr, eng.model, parts, eng.version)
+        assert eng.partial_requests() == []  # forgotten after the call
+    finally:
+        eng.stop()
+    model = copy.deepcopy(tr.model)
+    for o in outs:
+        assert set(o.versions) == {0, 1, 2}  # every request spans three versions
+        assert len(o.old_logprobs) == len(o.token_ids)  # every token covered
+        seq = pack_one(o)
+        expect = torch.zeros(len(o.token_ids))
+        for u, upd in weights.items():
+            model.load_state_dict({**upd.tensors, **{a: upd.tensors[s] for a, s in upd.aliases.items()}})
+            with torch.no_grad():
+                lp, _ = tr._logprobs(model, seq)
+            lp = lp[seq.mask > 0]
+            sel = torch.tensor(o.versions) == u
+            expect[sel] = lp[sel]
+        assert torch.allclose(torch.tensor(o.old_logprobs), expect, atol=1e-5)
+
+
+def pack_one(o):
+    from conveyor.types import Sample, Trajectory
+
+    t = Trajectory(sample=Sample("x", "", "", ""), group_id="g", prompt_ids=o.prompt_ids, response_ids=o.token_ids,
+                   behaviour_logprobs=[0.0] * len(o.token_ids), versions=o.versions)
+    return _mb([t])
+
+
+def test_partial_sync_strategy_uses_recorded_values_and_counts_missing(tiny):
+    tr = _trainer(tiny, "partial_sync", eta=2)
+    trajs = make_trajs(2, version=0)
+    t0, t1 = trajs
+    t0.versions = [0] * len(t0.response_ids)
+    t0.metadata["old_logprobs"] = [-1.5] * len(t0.response_ids)  # recorded at the update that retired version 0
+    t1.versions = [0] * len(t1.response_ids)  # never recorded: falls back, counted
+    tr.version = 1
+    mb = _mb(trajs)
+    theta = _current(tr, mb)
+    out = tr.proximal.from_forward(theta, mb, 1)
+    m0 = (mb.seq_index == 0) & (mb.mask > 0)
+    m1 = (mb.seq_index == 1) & (mb.mask > 0)
+    assert torch.all(out[m0] == -1.5) and torch.equal(out[m1], theta[m1])
+    st = tr.proximal.after_update(tr.model, 2, {})
+    assert st.values["proximal/partial_sync_missing_frac"] == pytest.approx(m1.sum().item() / (m0.sum() + m1.sum()).item())
+
+
+def test_dedicated_worker_scores_with_the_retired_version_then_loads_the_next(tiny):
+    from conveyor.trainer.proximal import Dedicated
+
+    tr = _trainer(tiny, "dedicated", eta=2)
+    ded = tr.proximal
+    assert isinstance(ded, Dedicated) and ded.extra_bytes() == param_bytes(tr.model)
+    ded.start(tr)
+    try:
+        trajs = make_trajs(3, version=0)
+        for t in trajs:
+            t.versions = [0] * len(t.response_ids)
+
+        class View:
+            def __init__(self, t):
+                self.prompt_ids, self.token_ids, self.versions = t.prompt_ids, t.response_ids, t.versions
+                self.old_logprobs = t.metadata.setdefault("old_logprobs", [])
+
+        expect = [reference_logprobs(tr.model, t) for t in trajs]  # version-0 weights (bf16 off)
+        new = copy.deepcopy(tr.model)
+        with torch.no_grad():
+            for p in new.parameters():
+                p.add_(0.01)
+        ded.retire([View(t) for t in trajs], WeightUpdate.from_model(new, 1))
+        assert ded.wait_retired(1) >= 0.0
+        for t, e in zip(trajs, expect, strict=True):
+            assert torch.allclose(torch.tensor(t.metadata["old_logprobs"]), e, atol=1e-4)
+        assert ded.version == 1 and ded.retired == 0
+        for a, b in zip(ded.model.parameters(), new.parameters(), strict=True):
+            assert torch.equal(a, b)
+    finally:
+        ded.stop()

@@ -157,3 +157,28 @@ def test_env_latency_workflow_waits_and_records():
     assert EnvLatencyWorkflow(Inner(), median_s=5.0, sigma=3.0, max_s=0.5).sample_latency() <= 0.5
     with pytest.raises(ValueError, match="median_s"):
         EnvLatencyWorkflow(Inner(), median_s=0.0)
+
+
+def test_partial_sync_run_covers_every_stale_token(tmp_path):
+    cfg = load_config(None, BASE + ["trainer.total_steps=4", "async.eta=2", f"run.dir={tmp_path / 'r'}",
+                                    "run.eval_before=false", "run.eval_after=false", "proximal.method=partial_sync",
+                                    "loss.name=two_ratio"])
+    run_training(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    # every token older than the trainer's version was scored when its version was retired
+    assert all(r["proximal/partial_sync_missing_frac"] == 0.0 for r in rows)
+    assert sum(r["proximal/partial_sync_tokens"] for r in rows) > 0
+    assert max(r["staleness/max"] for r in rows) >= 1  # stale data was actually trained
+    assert all(r["time/partial_sync_s"] > 0 for r in rows)
+
+
+def test_dedicated_old_logit_worker_run_covers_every_stale_token(tmp_path):
+    cfg = load_config(None, BASE + ["trainer.total_steps=4", "async.eta=2", f"run.dir={tmp_path / 'r'}",
+                                    "run.eval_before=false", "run.eval_after=false", "proximal.method=dedicated"])
+    run_training(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    assert all(r["proximal/partial_sync_missing_frac"] == 0.0 for r in rows)  # exact for every stale token
+    assert max(r["staleness/max"] for r in rows) >= 1
+    assert rows[-1]["proximal/dedicated_busy_s"] > 0 and all(r["proximal/extra_bytes"] > 0 for r in rows)

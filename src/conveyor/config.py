@@ -113,11 +113,12 @@ class LossConfig(_Strict):
 class ProximalConfig(_Strict):
     """Where the old log-probs (the ratio's denominator) come from (MISSION.md section 2)."""
 
-    method: Literal["recompute", "behavior", "snapshot", "interpolate", "ewma", "auto"] = "recompute"
+    method: Literal["recompute", "behavior", "snapshot", "partial_sync", "dedicated", "interpolate", "ewma", "auto"] = "recompute"
     interpolation: Literal["loglinear", "linear"] = "loglinear"
     ewma_beta: float | None = Field(default=None, ge=0, lt=1, description="fixed EWMA decay; null = adaptive W/(W+2)")
     ewma_reset_keep_rate: float = Field(default=0.90, ge=0, le=1, description="reset the EWMA when the discrepancy keep-rate falls below")
     memory_budget_bytes: int = Field(default=4 * 2**30, ge=0, description="host bytes auto may spend on parameter copies")
+    dedicated_threads: int = Field(default=1, ge=1, description="intra-op threads of the dedicated old-logit worker")
 
 
 class TrainerConfig(_Strict):

@@ -35,6 +35,7 @@ from conveyor.rollout.engine import InferenceEngine, SamplingParams
 from conveyor.rollout.staleness import StalenessManager
 from conveyor.rollout.workflow import EnvLatencyWorkflow, SingleTurnMathWorkflow
 from conveyor.runlog import MetricsLogger, plot_report
+from conveyor.trainer.proximal import score_partials
 from conveyor.trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,15 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, controller: RolloutControll
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+class _TrajView:
+    """A buffered trajectory seen as a partial request by :func:`score_partials`: the shared
+    ``metadata["old_logprobs"]`` list is extended in place."""
+
+    def __init__(self, t):
+        self.prompt_ids, self.token_ids, self.versions = t.prompt_ids, t.response_ids, t.versions
+        self.old_logprobs = t.metadata.setdefault("old_logprobs", [])
 
 
 # ---------------------------------------------------------------------- the run
@@ -226,8 +236,11 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
     engine_model = copy.deepcopy(policy).eval()
     for p in engine_model.parameters():
         p.requires_grad_(False)
+    partial_sync = trainer.proximal.name == "partial_sync"
+    dedicated = trainer.proximal if trainer.proximal.name == "dedicated" else None
     engine = InferenceEngine(engine_model, tokenizer, version=trainer.version, max_batch_size=cfg.rollout.max_batch_size,
-                             seed=cfg.run.seed + trainer.version, num_threads=engine_threads)
+                             seed=cfg.run.seed + trainer.version, num_threads=engine_threads,
+                             track_partials=partial_sync or dedicated is not None)
     engine.start()
     reward_service = RewardService(reward_fn, timeout_s=cfg.reward.timeout_s,
                                    failure_score=cfg.reward.failure_score, max_workers=cfg.reward.workers)
@@ -278,6 +291,8 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
         if controller.error is not None:
             raise RuntimeError(f"rollout controller crashed: {controller.error!r}") from controller.error
 
+    if dedicated is not None:
+        dedicated.start(trainer)
     controller.start()
     t_start = time.perf_counter()
     trainer_busy = 0.0
@@ -310,11 +325,30 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
                 if batch is None:
                     break
                 t0 = time.perf_counter()
+                if dedicated is not None:  # every version below the trainer's must be scored
+                    dedicated.wait_retired(trainer.version)
                 metrics = trainer.train_step(batch)
                 if bookkeeping_s is not None:
                     metrics["time/bookkeeping_s"] = bookkeeping_s  # logging + checkpoint of the previous step
                 t_sync = time.perf_counter()
-                engine.update_weights(trainer.weight_update())
+                if partial_sync:
+                    # MISSION.md section 2, recovery 3: pause, score every token of the outgoing
+                    # version with the engine's (outgoing) parameters, update, resume
+                    engine.pause()
+                    try:
+                        pending = engine.partial_requests() + [_TrajView(t) for g in buffer.snapshot() for t in g]
+                        metrics["proximal/partial_sync_tokens"] = float(score_partials(trainer, engine.model, pending, engine.version))
+                        metrics["time/partial_sync_s"] = time.perf_counter() - t_sync
+                        metrics["time/proximal_s"] += metrics["time/partial_sync_s"]
+                        engine.update_weights(trainer.weight_update())
+                    finally:
+                        engine.resume()
+                else:
+                    upd = trainer.weight_update()
+                    engine.update_weights(upd)
+                    if dedicated is not None:  # the engine no longer samples the outgoing version
+                        dedicated.retire(engine.partial_requests(require_pause=False)
+                                         + [_TrajView(t) for g in buffer.snapshot() for t in g], upd)
                 controller.set_version(trainer.version)
                 metrics["time/weight_sync_s"] = time.perf_counter() - t_sync
                 trainer_busy += time.perf_counter() - t0
@@ -366,6 +400,8 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
     finally:
         wall = time.perf_counter() - t_start
         controller.stop()
+        if dedicated is not None:
+            dedicated.stop()
         if trainer.version > 0 and not isinstance(error, KeyboardInterrupt | SystemExit) or interrupted:
             try:
                 p = save_checkpoint(run_dir, trainer, controller, keep=cfg.run.keep_checkpoints)

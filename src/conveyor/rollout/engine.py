@@ -181,6 +181,12 @@ class GenerationOutput:
         text: Decoded response (special tokens skipped).
         num_interruptions: Number of weight updates applied while this request was in the
             running batch (each one dropped its KV cache and re-encoded it).
+        old_logprobs: Training-side log-probs of a prefix of ``token_ids`` under the version that
+            sampled each token, filled by partial-rollout sync (``track_partials``; see
+            :meth:`InferenceEngine.partial_requests`). The list object is shared with the
+            engine's bookkeeping and may still grow after delivery (at the next weight update)
+            until :meth:`InferenceEngine.partial_requests` stops returning the request. Empty
+            otherwise.
     """
 
     prompt_ids: list[int]
@@ -190,6 +196,26 @@ class GenerationOutput:
     finish_reason: str
     text: str
     num_interruptions: int
+    old_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PartialRequest:
+    """A request's state at a pause, for partial-rollout sync (MISSION.md section 2, recovery 3).
+
+    Attributes:
+        rid: Request id. prompt_ids / token_ids / versions: copies (``R`` generated tokens).
+        old_logprobs: The request's shared old-log-prob list (length <= R): extend it in place
+            with the log-probs of ``token_ids[len(old_logprobs):]``.
+        finished: True for a request that finished since the previous call.
+    """
+
+    rid: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    versions: list[int]
+    old_logprobs: list[float]
+    finished: bool
 
 
 # --------------------------------------------------------------------------------------------
@@ -448,6 +474,7 @@ class _Request:
     finish_reason: str | None = None
     text: str | None = None
     cancelled: bool = False
+    old_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -558,6 +585,8 @@ class InferenceEngine:
             OpenMP spin-waiting against the other process (or set ``OMP_WAIT_POLICY=PASSIVE``).
         dtype: If given, the model is cast to this dtype (e.g. ``torch.bfloat16``); logits are
             always upcast to float32 before sampling. Weight updates are cast to the model dtype.
+        track_partials: Remember finished requests until the next :meth:`partial_requests`
+            call (partial-rollout sync needs them; off by default so nothing accumulates).
 
     Attributes:
         model: The model (read it only while the engine is paused or stopped; the decode thread
@@ -579,6 +608,7 @@ class InferenceEngine:
         seed: int = 0,
         num_threads: int | None = None,
         dtype: torch.dtype | None = None,
+        track_partials: bool = False,
     ) -> None:
         if not _is_int(version) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
@@ -654,6 +684,8 @@ class InferenceEngine:
             pause_seconds_total=0.0,
             num_threads=0,
         )
+        self._track_partials = track_partials
+        self._finished_unscored: dict[int, _Request] = {}
         # batch size -> [decode steps, forward seconds]: the simulator's calibration
         self._decode_profile: dict[int, list[float]] = {}
         self._running_count = 0
@@ -753,6 +785,35 @@ class InferenceEngine:
     def paused(self) -> bool:
         """True between :meth:`pause` and :meth:`resume`."""
         return self._paused
+
+    def partial_requests(self, *, require_pause: bool = True) -> list[PartialRequest]:
+        """Every request with generated tokens: in flight (running batch or awaiting
+        re-encoding) and, with ``track_partials``, finished since the previous call (then
+        forgotten). For partial-rollout sync: between :meth:`pause` and the next weight update,
+        the caller scores each request's tokens not yet in ``old_logprobs`` with the outgoing
+        parameters (still in :attr:`model`) and extends ``old_logprobs`` in place.
+
+        With ``require_pause=False`` (a dedicated old-logit worker) the snapshot is taken under
+        the engine's lock while it runs: the copies are consistent, and every token of a version
+        the engine has already replaced is in them; newer tokens appear in later calls.
+
+        Returns:
+            A list of :class:`PartialRequest` (copies of the token lists, the shared
+            ``old_logprobs`` list).
+
+        Raises:
+            RuntimeError: ``require_pause`` and the engine is running (not paused).
+        """
+        with self._cond:
+            if require_pause and self._thread is not None and not self._stopped and not self._paused:
+                raise RuntimeError("partial_requests() needs a paused engine: call pause() first")
+            live = [r for r in self._live.values() if r.token_ids and not r.cancelled]
+            done, self._finished_unscored = list(self._finished_unscored.values()), {}
+            out = []
+            for r, finished in [(r, False) for r in live] + [(r, True) for r in done]:
+                out.append(PartialRequest(r.rid, list(r.prompt_ids), list(r.token_ids), list(r.versions),
+                                          r.old_logprobs, finished))
+        return out
 
     def stats(self) -> dict[str, Any]:
         """Counters since construction.
@@ -1305,9 +1366,12 @@ class InferenceEngine:
             finish_reason=reason,
             text=text,
             num_interruptions=req.num_interruptions,
+            old_logprobs=req.old_logprobs,  # shared: partial-rollout sync may extend it later
         )
         with self._cond:
             self._live.pop(req.rid, None)
+            if self._track_partials and reason != FINISH_ABORT:
+                self._finished_unscored[req.rid] = req
             self._stats["num_finished"] += 1
             if reason == FINISH_ABORT:
                 self._stats["num_aborted"] += 1

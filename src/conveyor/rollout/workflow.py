@@ -90,6 +90,8 @@ class SingleTurnMathWorkflow:
                         "format_ok": format_ok(o.text),
                         "num_interruptions": o.num_interruptions,
                         "reward_seconds": reward_s,
+                        # shared with the engine: partial-rollout sync fills it at weight updates
+                        "old_logprobs": o.old_logprobs,
                     },
                 )
             )

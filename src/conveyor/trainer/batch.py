@@ -9,6 +9,7 @@ on prompt tokens and at sequence boundaries.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,9 @@ class PackedBatch:
         seq_index: ``[R, L]`` int64, which of the S trajectories each position belongs to
             (-1 on padding).
         indices: Positions of these trajectories in the step's batch (length S).
+        old_logprobs: ``[R, L]`` float32, training-side log-probs of the target token under the
+            version that sampled it, where partial-rollout sync recorded one
+            (``trajectory.metadata["old_logprobs"]``); NaN elsewhere.
     """
 
     input_ids: torch.Tensor
@@ -43,6 +47,7 @@ class PackedBatch:
     advantages: torch.Tensor
     seq_index: torch.Tensor
     indices: list[int]
+    old_logprobs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -51,7 +56,7 @@ class PackedBatch:
 
 
 def _pack_row(trajectories: list[Trajectory], advantages: torch.Tensor, indices: list[int], s0: int) -> dict[str, list]:
-    row: dict[str, list] = {k: [] for k in ("ids", "pos", "tgt", "msk", "blp", "ver", "adv", "seq")}
+    row: dict[str, list] = {k: [] for k in ("ids", "pos", "tgt", "msk", "blp", "ver", "adv", "seq", "old")}
     for s, i in enumerate(indices, start=s0):
         t = trajectories[i]
         r = len(t.response_ids)
@@ -67,14 +72,18 @@ def _pack_row(trajectories: list[Trajectory], advantages: torch.Tensor, indices:
         row["pos"] += list(range(n))
         # target at j is seq_ids[j+1]; response token k sits at j = p + k - 1
         row["tgt"] += seq_ids[1:] + [0]
-        m, b, v = [0.0] * n, [0.0] * n, [-1] * n
+        m, b, v, o = [0.0] * n, [0.0] * n, [-1] * n, [math.nan] * n
+        old = t.metadata.get("old_logprobs") or ()
         for k in range(r):
             m[p + k - 1] = 1.0
             b[p + k - 1] = float(t.behaviour_logprobs[k])
             v[p + k - 1] = int(t.versions[k])
+            if k < len(old):
+                o[p + k - 1] = float(old[k])
         row["msk"] += m
         row["blp"] += b
         row["ver"] += v
+        row["old"] += o
         a = float(advantages[i])
         row["adv"] += [a * x for x in m]
         row["seq"] += [s] * n
@@ -105,7 +114,7 @@ def pack(trajectories: list[Trajectory], advantages: torch.Tensor, rows: list[li
         built.append(_pack_row(trajectories, advantages, idx, s0))
         s0 += len(idx)
     L = max(len(r["ids"]) for r in built)
-    pad_vals = {"ids": 0, "tgt": 0, "msk": 0.0, "blp": 0.0, "ver": -1, "adv": 0.0, "seq": -1}
+    pad_vals = {"ids": 0, "tgt": 0, "msk": 0.0, "blp": 0.0, "ver": -1, "adv": 0.0, "seq": -1, "old": math.nan}
     for r in built:
         n_pad = L - len(r["ids"])
         for k, v in pad_vals.items():
@@ -125,6 +134,7 @@ def pack(trajectories: list[Trajectory], advantages: torch.Tensor, rows: list[li
         advantages=mat("adv", torch.float32),
         seq_index=mat("seq", torch.long),
         indices=[i for idx in rows for i in idx],
+        old_logprobs=mat("old", torch.float32),
     )
 
 

@@ -12,6 +12,13 @@ recompute      forward pass with the current parameters (version v)    only when
 behavior       the engine's log-probs (bypass)                         inference-side      none
 snapshot       forward with a stored copy of the version-u parameters  yes (training side) (eta + 1) parameter copies,
                                                                                            one forward per version
+partial_sync   scored at the weight update that retires version u:     yes (training side) engine paused for one
+               rollouts pause, every unscored token (in flight,                            forward over all partial
+               finished, buffered) gets the outgoing parameters'                           and unscored trajectories
+               log-prob, then the update and resume                                        per update
+dedicated      a separate old-logit worker (own weight copy, own       yes (training side) one parameter copy, its
+               thread) scores version u's tokens after the engine                          own compute; the trainer
+               moved to u + 1, concurrently with training                                  waits only if it lags
 interpolate    loglinear / linear mix of pi_behav and pi_theta with    no (rescales clip   none
                AReaL's per-token alpha                                 bounds only)
 ewma           forward with an EWMA of the parameters (bias-corrected, no (proxy)          one parameter copy, one
@@ -38,7 +45,7 @@ from conveyor.trainer.corrections import interpolated_proximal, interpolation_al
 
 log = logging.getLogger(__name__)
 
-METHODS = ("recompute", "behavior", "snapshot", "interpolate", "ewma", "auto")
+METHODS = ("recompute", "behavior", "snapshot", "partial_sync", "dedicated", "interpolate", "ewma", "auto")
 
 
 def param_bytes(model: torch.nn.Module) -> int:
@@ -115,6 +122,204 @@ class Behavior(ProximalStrategy):
 
     def old_logprobs(self, trainer, mb):
         return mb.behaviour_logprobs
+
+
+class PartialSync(ProximalStrategy):
+    """Partial-rollout interruption sync (MISSION.md section 2, recovery 3): no stored history.
+
+    The runtime calls :func:`score_partials` at every weight update, while the engine is paused
+    and still holds the outgoing parameters (version v): every token sampled by version v that
+    has no old log-prob yet -- in in-flight requests, finished ones, buffered trajectories --
+    gets one from a training-side forward pass (the trainer's log-prob function) on those
+    parameters. At training time a token of the trainer's current version uses the gradient
+    pass's log-probs (exact), older tokens their recorded value. Tokens with neither (e.g.
+    sampled before a resume) fall back to the current parameters and are counted
+    (``proximal/partial_sync_missing_frac``).
+    """
+
+    name = "partial_sync"
+    exact = True
+
+    def __init__(self):
+        self._missing = 0
+        self._tokens = 0
+
+    def from_forward(self, theta_logprobs, mb, version):
+        stored = mb.old_logprobs if mb.old_logprobs is not None else torch.full_like(theta_logprobs, float("nan"))
+        out = torch.where(mb.versions == version, theta_logprobs, stored)
+        m = mb.mask > 0
+        missing = torch.isnan(out) & m
+        self._missing += int(missing.sum())
+        self._tokens += int(m.sum())
+        return torch.where(torch.isnan(out), theta_logprobs, out)
+
+    def after_update(self, model, new_version, metrics):
+        st = ProximalStats({"proximal/partial_sync_missing_frac": self._missing / max(1, self._tokens)})
+        self._missing = self._tokens = 0
+        return st
+
+
+def score_partials(trainer, model: torch.nn.Module, partials, version: int) -> int:
+    """Partial-rollout sync: extend each item's ``old_logprobs`` (in place) with the training-side
+    log-probs, under ``model`` (the outgoing parameters, version ``version``), of its tokens not
+    scored yet; tokens of another version get NaN (they cannot be scored exactly any more).
+
+    Args:
+        trainer: The :class:`~conveyor.trainer.trainer.Trainer` (its log-prob function: same
+            temperature, autocast and chunking as training).
+        model: The model holding version ``version`` (the paused engine's).
+        partials: Objects with ``prompt_ids``, ``token_ids``, ``versions`` and a mutable
+            ``old_logprobs`` list (:class:`~conveyor.rollout.engine.PartialRequest`, or
+            trajectories' ``metadata["old_logprobs"]`` wrapped the same way).
+        version: The outgoing version.
+
+    Returns:
+        Number of tokens scored (forward-pass positions that received a value).
+    """
+    from conveyor.trainer.batch import pack, plan_micro_batches
+    from conveyor.types import Sample, Trajectory
+
+    seen: set[int] = set()
+    items = []
+    for p in partials:  # a finished request and its buffered trajectory share one list
+        if len(p.old_logprobs) < len(p.token_ids) and id(p.old_logprobs) not in seen:
+            seen.add(id(p.old_logprobs))
+            items.append(p)
+    if not items:
+        return 0
+    dummy = Sample("partial_sync", "", "", "")
+    trajs = [Trajectory(sample=dummy, group_id=str(i), prompt_ids=list(p.prompt_ids), response_ids=list(p.token_ids),
+                        behaviour_logprobs=[0.0] * len(p.token_ids), versions=list(p.versions)) for i, p in enumerate(items)]
+    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
+    scored = 0
+    zeros = torch.zeros(len(trajs))
+    for rows in plan_micro_batches(lengths, trainer.cfg.micro_batch_tokens, trainer.cfg.pack_row_tokens):
+        mb = pack(trajs, zeros, rows)
+        with torch.no_grad():
+            lp, _ = trainer._logprobs(model, mb)
+        for s, i in enumerate(mb.indices):
+            vals = lp[(mb.seq_index == s) & (mb.mask > 0)].tolist()
+            p = items[i]
+            start = len(p.old_logprobs)
+            new = [v if p.versions[k] == version else float("nan") for k, v in enumerate(vals[start:], start)]
+            p.old_logprobs.extend(new)
+            scored += sum(1 for k in range(start, len(vals)) if p.versions[k] == version)
+    return scored
+
+
+class Dedicated(PartialSync):
+    """A dedicated old-logit model (MISSION.md section 2, recovery 2): a worker thread with its
+    own copy of the weights (``threads`` intra-op threads) that lags the engine by one version.
+    After each weight update the runtime hands it (:meth:`retire`) a snapshot of the engine's
+    requests and the buffered trajectories plus the new weights; the worker scores every token of
+    its current version (the one the engine just replaced) with :func:`score_partials`, then
+    loads the new weights. Training overlaps with this; before an update at version w the
+    trainer waits (:meth:`wait_retired`) until every version below w is scored, and the wait is
+    the method's visible time cost (``proximal/dedicated_wait_s``). Exact like partial_sync
+    without pausing rollouts; costs one parameter copy and the worker's compute (on a 2-core CPU
+    it competes with the engine and the trainer).
+    """
+
+    name = "dedicated"
+    exact = True
+
+    def __init__(self, model: torch.nn.Module, version: int, threads: int = 1):
+        import queue
+        import threading
+
+        super().__init__()
+        self.model = copy.deepcopy(model).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.version = version
+        self.retired = version - 1  # every token of versions <= retired has an old log-prob
+        self.threads = threads
+        self._copy_bytes = param_bytes(model)
+        self._jobs: queue.Queue = queue.Queue()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._trainer = None
+        self.error: BaseException | None = None
+        self.busy_seconds = 0.0
+        self.scored_tokens = 0
+        self._wait = 0.0
+
+    def start(self, trainer) -> None:
+        """Start the worker thread (it uses ``trainer``'s log-prob function)."""
+        import threading
+
+        self._trainer = trainer
+        self._thread = threading.Thread(target=self._loop, name="conveyor-old-logits", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the worker after the queued jobs."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=60)
+            self._thread = None
+
+    def retire(self, partials: list, update) -> None:
+        """Queue: score ``partials``' tokens of the worker's current version, then load
+        ``update`` (a :class:`~conveyor.sync.WeightUpdate`)."""
+        self._jobs.put((partials, update))
+
+    def _loop(self) -> None:
+        import time
+
+        torch.set_num_threads(self.threads)
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                partials, update = job
+                t0 = time.perf_counter()
+                n = score_partials(self._trainer, self.model, partials, self.version)
+                tensors = dict(update.tensors)
+                tensors.update({a: update.tensors[src] for a, src in update.aliases.items()})
+                with torch.no_grad():
+                    self.model.load_state_dict(tensors, strict=False)
+                with self._cond:
+                    self.busy_seconds += time.perf_counter() - t0
+                    self.scored_tokens += n
+                    self.retired = self.version
+                    self.version = update.version
+                    self._cond.notify_all()
+        except BaseException as e:  # reported to the trainer by wait_retired
+            log.exception("dedicated old-logit worker crashed")
+            with self._cond:
+                self.error = e
+                self._cond.notify_all()
+
+    def wait_retired(self, version: int, timeout: float = 600.0) -> float:
+        """Block until every version below ``version`` is scored; returns the seconds waited.
+
+        Raises:
+            RuntimeError: the worker crashed or did not catch up within ``timeout`` seconds.
+        """
+        import time
+
+        t0 = time.perf_counter()
+        with self._cond:
+            while self.retired < version - 1 and self.error is None:
+                if not self._cond.wait(timeout=max(0.0, timeout - (time.perf_counter() - t0))):
+                    raise RuntimeError(f"dedicated old-logit worker did not retire version {version - 1} within {timeout} s")
+            if self.error is not None:
+                raise RuntimeError(f"dedicated old-logit worker failed: {self.error!r}") from self.error
+        dt = time.perf_counter() - t0
+        self._wait += dt
+        return dt
+
+    def after_update(self, model, new_version, metrics):
+        st = super().after_update(model, new_version, metrics)
+        st.values["proximal/dedicated_wait_s"] = self._wait
+        st.values["proximal/dedicated_busy_s"] = self.busy_seconds
+        self._wait = 0.0
+        return st
+
+    def extra_bytes(self) -> int:
+        return self._copy_bytes
 
 
 class Interpolate(ProximalStrategy):
@@ -318,7 +523,7 @@ def choose_auto(model: torch.nn.Module, eta: int | None, budget_bytes: int) -> t
 def build_strategy(method: str, model: torch.nn.Module, *, eta: int | None, version: int = 0,
                    interpolation: str = "loglinear", ewma_beta: float | None = None, ewma_reset_keep_rate: float = 0.90,
                    discrepancy_low: float = 0.8, discrepancy_high: float = 1.25,
-                   memory_budget_bytes: int = 4 * 2**30) -> tuple[ProximalStrategy, str]:
+                   memory_budget_bytes: int = 4 * 2**30, dedicated_threads: int = 1) -> tuple[ProximalStrategy, str]:
     """Build the strategy named ``method`` (one of ``METHODS``).
 
     Returns:
@@ -338,6 +543,10 @@ def build_strategy(method: str, model: torch.nn.Module, *, eta: int | None, vers
         return Interpolate(interpolation), note
     if method == "snapshot":
         return Snapshot(model, eta, version), note
+    if method == "partial_sync":
+        return PartialSync(), note
+    if method == "dedicated":
+        return Dedicated(model, version, threads=dedicated_threads), note
     if method == "ewma":
         return EWMA(model, beta=ewma_beta, reset_keep_rate=ewma_reset_keep_rate,
                     discrepancy_low=discrepancy_low, discrepancy_high=discrepancy_high), note

@@ -95,6 +95,7 @@ class Trainer:
             pc.method, model, eta=eta, version=version, interpolation=pc.interpolation, ewma_beta=pc.ewma_beta,
             ewma_reset_keep_rate=pc.ewma_reset_keep_rate, discrepancy_low=loss_cfg.discrepancy_low,
             discrepancy_high=loss_cfg.discrepancy_high, memory_budget_bytes=pc.memory_budget_bytes,
+            dedicated_threads=pc.dedicated_threads,
         )
         if pc.method == "auto":
             log.info("proximal.method=auto chose %s: %s", self.proximal.name, self.proximal_note)
