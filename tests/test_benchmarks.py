@@ -76,3 +76,14 @@ def test_proximal_costs_benchmark_quick():
     assert runtime == {"recompute": 0.0, "partial_sync": 0.0, "dedicated": 1.0}
     assert rows["ewma"][0] == 1.0  # one EWMA copy
     assert rows["snapshot"][0] == 3.0  # eta + 1 = 2 snapshots + the scratch model
+
+
+def test_staleness_robustness_benchmark_quick(tmp_path):
+    _run("staleness_robustness.py", "--out", str(tmp_path / "st"))
+    summ = json.loads((tmp_path / "st" / "summary.json").read_text())
+    cells = {(c["eta"], c["method"]): c for c in summ["cells"]}
+    assert set(cells) == {(0, "ppo"), (0, "snapshot"), (2, "ppo"), (2, "snapshot")}
+    assert all(c["staleness_max"] <= c["eta"] for c in cells.values())
+    assert all(len(c["reward_curve"]) == 2 for c in cells.values())
+    assert cells[(2, "snapshot")]["discrepancy_keep_frac"] is not None
+    assert (tmp_path / "st" / "curves.png").is_file()
