@@ -8,7 +8,10 @@ Usage: python benchmarks/trainer.py [--model smollm2-135m-instruct|tiny] [--sequ
 - **naive** (the prototype of MEASURED.md): fp32, the batch padded to its longest sequence,
   full-vocabulary ``log_softmax`` over all positions, then gather; PPO-clip loss; AdamW step.
 - **conveyor**: :class:`conveyor.trainer.trainer.Trainer` with the default config (packed rows,
-  chunked log-probs under activation checkpointing, bf16 autocast, decoupled PPO).
+  chunked log-probs under checkpointing of the vocabulary projection, bf16 autocast, decoupled PPO).
+- **conveyor lean**: the same with ``trainer.activation_checkpointing=true`` (transformer layers
+  recomputed in the backward pass), ``trainer.micro_batch_tokens=1024`` and
+  ``trainer.optimizer_foreach=false``: the memory-lean settings.
 
 Both run one warm-up update and then ``--updates`` timed updates on the same synthetic batch
 (random token ids of the given lengths, lengths varying +-50% around the mean, rewards 0/1 in
@@ -86,7 +89,8 @@ else:
     from conveyor.config import LossConfig, TrainerConfig
     from conveyor.trainer.trainer import Trainer
     from conveyor.types import Sample, Trajectory
-    trainer = Trainer(model, TrainerConfig(lr=1e-6, warmup_steps=0, num_threads=args["threads"]), LossConfig(), temperature=0.7)
+    trainer = Trainer(model, TrainerConfig(lr=1e-6, warmup_steps=0, num_threads=args["threads"], **args.get("overrides", {})),
+                      LossConfig(), temperature=0.7)
     sample = Sample(id="bench/0", question="q", answer="0", dataset="bench")
     trajs = []
     for i, (p, r, x) in enumerate(seqs):
@@ -99,17 +103,27 @@ else:
         from conveyor.trainer.logprobs import token_logprobs
         model.eval()
         errs = []
+        real = []  # real text (MAWPS questions) as well: typical log-probs, not those of random tokens
+        if args["model"] != "tiny":
+            from conveyor.data import load_dataset
+            qs = [lm.tokenizer.encode(s.question, add_special_tokens=False) for s in load_dataset("mawps:singleop")[:16]]
+            real = [(qs[i], qs[i + 1], 0.0) for i in range(0, 16, 2)]
+        real_errs = []
         with torch.no_grad():
-            for p, r, _ in seqs[:8]:
+            for p, r, _ in seqs[:8] + real:
                 s = torch.tensor([p + r])
                 ref = torch.log_softmax(model(input_ids=s).logits.float()[0, :-1] / 0.7, -1).gather(-1, s[0, 1:, None])[:, 0]
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     ours, _ = token_logprobs(model, s, torch.arange(s.shape[1])[None], torch.cat([s[:, 1:], s[:, :1]], 1),
                                              temperature=0.7, chunk_tokens=512)
                 ours = ours[0, :-1]
-                errs.append((ours.float() - ref)[len(p) - 1 :].abs())
+                (real_errs if (p, r, _) in real else errs).append((ours.float() - ref)[len(p) - 1 :].abs())
         e = torch.cat(errs)
-        print(json.dumps({"logprob_abs_err_max": e.max().item(), "logprob_abs_err_mean": e.mean().item(), "tokens": e.numel()}))
+        out = {"logprob_abs_err_max": e.max().item(), "logprob_abs_err_mean": e.mean().item(), "tokens": e.numel()}
+        if real_errs:
+            e = torch.cat(real_errs)
+            out.update({"real_text_abs_err_max": e.max().item(), "real_text_abs_err_mean": e.mean().item(), "real_text_tokens": e.numel()})
+        print(json.dumps(out))
         sys.exit(0)
 
 update()  # warm-up (allocations, autocast caches)
@@ -140,21 +154,27 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--response-len", type=int, default=50)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--updates", type=int, default=1, help="timed updates after the warm-up (median reported)")
+    ap.add_argument("--lean-micro-batch-tokens", type=int, default=1024,
+                    help="micro-batch budget of the memory-lean variant (with activation checkpointing, foreach off)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 8 sequences (CI smoke run)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     if args.quick:
         args.model, args.sequences, args.prompt_len, args.response_len = "tiny", 8, 20, 16
+        args.lean_micro_batch_tokens = 64
     cfg = {"model": args.model, "sequences": args.sequences, "prompt_len": args.prompt_len,
            "response_len": args.response_len, "threads": args.threads, "updates": args.updates}
     naive = _child({**cfg, "mode": "naive"})
     ours = _child({**cfg, "mode": "conveyor"})
+    lean_overrides = {"micro_batch_tokens": args.lean_micro_batch_tokens, "activation_checkpointing": True, "optimizer_foreach": False}
+    lean = _child({**cfg, "mode": "conveyor", "overrides": lean_overrides})
     acc = _child({**cfg, "mode": "accuracy"})
     res = {
-        **cfg, "naive": naive, "conveyor": ours, "logprob_error": acc,
+        **cfg, "naive": naive, "conveyor": ours, "conveyor_lean": lean, "lean_overrides": lean_overrides, "logprob_error": acc,
         "speedup_tokens_per_s": ours["tokens_per_s"] / naive["tokens_per_s"],
         "memory_ratio_naive_over_conveyor": naive["peak_rss_gb"] / ours["peak_rss_gb"],
         "conveyor_peak_rss_gb": ours["peak_rss_gb"], "naive_peak_rss_gb": naive["peak_rss_gb"],
+        "lean_speedup_tokens_per_s": lean["tokens_per_s"] / naive["tokens_per_s"], "lean_peak_rss_gb": lean["peak_rss_gb"],
         "cpu_count": os.cpu_count(),
     }
     print(json.dumps(res))

@@ -12,7 +12,8 @@ Measures, in one process with the runtime's thread split (engine 1 thread):
   ``--after-steps`` decode steps: ``update_call_s`` (the trainer's blocking call), the engine's
   ``pause_s`` (weight copy + re-encoding the in-flight requests, from its counters),
   ``reencoded_tokens`` and the longest gap between two generated tokens (``max_token_gap_s``,
-  sampled every 5 ms) against the median gap (``median_token_gap_s``).
+  sampled every 5 ms) against the median gap (``median_token_gap_s``); once with re-encoding
+  (the default, AReaL) and once keeping the KV caches (``keep_kv``: ``rollout.reencode_on_update=false``).
 
 Prints one JSON line.
 """
@@ -69,6 +70,52 @@ def main(argv: list[str] | None = None) -> dict:
         snaps16.append(time.perf_counter() - t0)
     full_bytes = sum(t.numel() * t.element_size() for t in trainer_model.state_dict().values())
 
+    samples = load_dataset("mawps:singleop")[: args.requests]
+    prompts = [build_prompt_ids(tok, s, "Give the final answer as a number after 'Answer:'.") for s in samples]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.7, ignore_eos=True)
+
+    def in_flight_update(reencode: bool) -> dict:
+        """An update after ``after_steps`` decode steps with ``requests`` in flight."""
+        engine = InferenceEngine(copy.deepcopy(engine_model), tok, max_batch_size=max(1, args.requests),
+                                 num_threads=args.threads, reencode_on_update=reencode)
+        engine.start()
+        try:
+            timeline: list[tuple[float, int]] = []
+            stop = threading.Event()
+
+            def watch():
+                while not stop.is_set():
+                    timeline.append((time.perf_counter(), engine.stats()["generated_tokens"]))
+                    time.sleep(0.005)
+
+            w = threading.Thread(target=watch, daemon=True)
+            s0 = engine.stats()
+            futs = [engine.submit(p, params) for p in prompts]
+            w.start()
+            while engine.stats()["decode_steps"] - s0["decode_steps"] < args.after_steps:
+                time.sleep(0.002)
+            before = engine.stats()
+            t0 = time.perf_counter()
+            engine.update_weights(WeightUpdate(version=1, tensors=upd.tensors, aliases=upd.aliases))
+            call_s = time.perf_counter() - t0
+            outs = [f.result() for f in futs]
+            stop.set()
+            w.join()
+            after = engine.stats()
+        finally:
+            engine.stop()
+        changes = [t for (t, n), (_, n0) in zip(timeline[1:], timeline[:-1], strict=True) if n != n0]
+        gaps = [b - a for a, b in zip(changes[:-1], changes[1:], strict=True)]
+        return {
+            "update_call_s": call_s,
+            "pause_s": after["pause_seconds_total"] - before["pause_seconds_total"],
+            "reencoded_tokens": after["reencoded_tokens"] - before["reencoded_tokens"],
+            "max_token_gap_s": max(gaps) if gaps else None,
+            "median_token_gap_s": statistics.median(gaps) if gaps else None,
+            "interrupted_requests": sum(o.num_interruptions > 0 for o in outs),
+            "multi_version_requests": sum(len(set(o.versions)) > 1 for o in outs),
+        }
+
     engine = InferenceEngine(engine_model, tok, max_batch_size=max(1, args.requests), num_threads=args.threads)
     engine.start()
     version = 1
@@ -80,49 +127,18 @@ def main(argv: list[str] | None = None) -> dict:
             engine.update_weights(u)
             loads.append(time.perf_counter() - t0)
             version += 1
-        samples = load_dataset("mawps:singleop")[: args.requests]
-        prompts = [build_prompt_ids(tok, s, "Give the final answer as a number after 'Answer:'.") for s in samples]
-        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.7, ignore_eos=True)
-        timeline: list[tuple[float, int]] = []
-        stop = threading.Event()
-
-        def watch():
-            while not stop.is_set():
-                timeline.append((time.perf_counter(), engine.stats()["generated_tokens"]))
-                time.sleep(0.005)
-
-        w = threading.Thread(target=watch, daemon=True)
-        s0 = engine.stats()
-        futs = [engine.submit(p, params) for p in prompts]
-        w.start()
-        while engine.stats()["decode_steps"] - s0["decode_steps"] < args.after_steps:
-            time.sleep(0.002)
-        before = engine.stats()
-        t0 = time.perf_counter()
-        engine.update_weights(WeightUpdate(version=version, tensors=upd.tensors, aliases=upd.aliases))
-        call_s = time.perf_counter() - t0
-        outs = [f.result() for f in futs]
-        stop.set()
-        w.join()
-        after = engine.stats()
     finally:
         engine.stop()
-    # gaps between consecutive increases of the generated-token counter
-    changes = [t for (t, n), (_, n0) in zip(timeline[1:], timeline[:-1], strict=True) if n != n0]
-    gaps = [b - a for a, b in zip(changes[:-1], changes[1:], strict=True)]
+    reencode = in_flight_update(True)
+    keep_kv = in_flight_update(False)
     res = {
         "model": args.model, "threads": args.threads, "requests": args.requests,
         "message_bytes_fp32": upd.num_bytes, "message_bytes_bf16": upd16.num_bytes, "state_dict_bytes": full_bytes,
         "tied_aliases": upd.aliases,
         "snapshot_s": statistics.median(snaps), "snapshot_bf16_s": statistics.median(snaps16),
         "load_idle_s": statistics.median(loads),
-        "update_call_s": call_s,
-        "pause_s": after["pause_seconds_total"] - before["pause_seconds_total"],
-        "reencoded_tokens": after["reencoded_tokens"] - before["reencoded_tokens"],
-        "max_token_gap_s": max(gaps) if gaps else None,
-        "median_token_gap_s": statistics.median(gaps) if gaps else None,
-        "interrupted_requests": sum(o.num_interruptions > 0 for o in outs),
-        "multi_version_requests": sum(len(set(o.versions)) > 1 for o in outs),
+        **reencode,
+        "keep_kv": keep_kv,
         "cpu_count": os.cpu_count(), "torch": torch.__version__,
     }
     print(json.dumps(res))

@@ -43,6 +43,7 @@ def test_trainer_benchmark_quick():
     assert r["speedup_tokens_per_s"] == pytest.approx(r["conveyor"]["tokens_per_s"] / r["naive"]["tokens_per_s"])
     # bf16 chunked log-probs stay close to fp32 full log-softmax (nats)
     assert r["logprob_error"]["logprob_abs_err_max"] < 0.1
+    assert r["conveyor_lean"]["tokens_per_s"] > 0 and r["lean_overrides"]["activation_checkpointing"] is True
 
 
 def test_weight_sync_benchmark_quick():
@@ -51,6 +52,7 @@ def test_weight_sync_benchmark_quick():
     assert r["message_bytes_fp32"] < r["state_dict_bytes"] and r["message_bytes_bf16"] * 2 == r["message_bytes_fp32"]
     assert r["reencoded_tokens"] > 0 and r["interrupted_requests"] == r["requests"] == r["multi_version_requests"]
     assert r["pause_s"] > 0
+    assert r["keep_kv"]["reencoded_tokens"] == 0 and r["keep_kv"]["multi_version_requests"] == r["requests"]
 
 
 def test_async_vs_sync_benchmark_quick(tmp_path):

@@ -602,3 +602,32 @@ def test_weight_update_sends_tied_embeddings_once_and_applies_aliases(ref):
     assert torch.equal(recv.model.embed_tokens.weight, model.model.embed_tokens.weight)
     with pytest.raises(KeyError, match="alias"):
         eng.update_weights(WeightUpdate(version=2, tensors={}, aliases={"lm_head.weight": "nope"}))
+
+
+def test_update_without_reencoding_keeps_the_kv_cache(ref):
+    old_model, tok, prompts = ref
+    update = perturbed_update(old_model, version=1)
+    new_model, _ = fresh_model()
+    new_model.load_state_dict(update.tensors)
+    model, _ = fresh_model()
+    eng = InferenceEngine(model, tok, seed=3, num_threads=1, reencode_on_update=False)
+
+    async def run():
+        longs = [asyncio.ensure_future(eng.generate(p, SamplingParams(max_new_tokens=60, temperature=1.0))) for p in prompts[:2]]
+        await eng.generate(prompts[3], SamplingParams(max_new_tokens=5, temperature=1.0))
+        await asyncio.to_thread(eng.update_weights, update)
+        return await asyncio.gather(*longs)
+
+    with eng:
+        outs = asyncio.run(run())
+    st = eng.stats()
+    assert st["reencoded_tokens"] == 0 and st["num_weight_updates"] == 1
+    for out in outs:
+        assert len(out.token_ids) == 60 and out.num_interruptions == 1
+        cut = out.versions.index(1)
+        assert out.versions == [0] * cut + [1] * (60 - cut)
+        lp = torch.tensor(out.logprobs)
+        # before the update: exactly the old policy; after: new weights on top of the old
+        # weights' cache, so neither the old nor the new policy's full recompute
+        assert torch.allclose(lp[:cut], recomputed_logprobs(old_model, out)[:cut], atol=1e-4)
+        assert not torch.allclose(lp[cut:], recomputed_logprobs(old_model, out)[cut:], atol=1e-3)

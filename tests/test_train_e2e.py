@@ -182,3 +182,12 @@ def test_dedicated_old_logit_worker_run_covers_every_stale_token(tmp_path):
     assert all(r["proximal/partial_sync_missing_frac"] == 0.0 for r in rows)  # exact for every stale token
     assert max(r["staleness/max"] for r in rows) >= 1
     assert rows[-1]["proximal/dedicated_busy_s"] > 0 and all(r["proximal/extra_bytes"] > 0 for r in rows)
+
+
+def test_calculator_tool_run(tmp_path):
+    cfg = load_config(None, BASE + ["trainer.total_steps=2", "async.eta=1", f"run.dir={tmp_path / 'r'}",
+                                    "rollout.tool=calculator", "rollout.max_new_tokens=12"])
+    res = run_training(cfg)
+    assert res.steps == 2 and res.heldout_after is not None
+    before = json.loads((tmp_path / "r" / "eval_before.json").read_text())
+    assert before["num_problems"] == 3

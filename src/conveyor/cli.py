@@ -52,6 +52,7 @@ def eval_cmd(
     seed: Annotated[int, typer.Option()] = 0,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="JSON output path")] = None,
     no_progress: Annotated[bool, typer.Option("--no-progress")] = False,
+    tool: Annotated[str, typer.Option(help="none, or calculator: results of 'a op b =' are inserted (rollout.tool)")] = "none",
 ) -> None:
     """Evaluate a model: pass@1, pass@k (Chen et al. 2021), avg@k, format rate, length, tokens/s."""
     from conveyor.data import DatasetError, load_dataset
@@ -84,7 +85,7 @@ def eval_cmd(
         res = evaluate(
             engine, lm.tokenizer, data, k=k, samples_per_problem=samples, temperature=temperature, top_p=top_p,
             max_new_tokens=max_new_tokens, instruction=instruction, dataset=dataset, model_name=model,
-            progress=not no_progress and console.is_terminal,
+            progress=not no_progress and console.is_terminal, tool=tool,
         )
     except ValueError as e:
         _fail(str(e))

@@ -63,6 +63,11 @@ class RolloutConfig(_Strict):
     filter_all_equal: bool = Field(default=False, description="dynamic filtering: drop groups whose rewards are all equal (DAPO)")
     max_filtered_in_a_row: int = Field(default=64, ge=1, description="stop refilling after this many consecutively filtered groups and report")
     env_latency: EnvLatencyConfig = Field(default_factory=lambda: EnvLatencyConfig())
+    reencode_on_update: bool = Field(
+        default=True, description="re-encode in-flight requests after a weight update (false: keep their KV caches, pause only for the copy)")
+    tool: Literal["none", "calculator"] = Field(
+        default="none", description="calculator: results of 'a op b =' are inserted as observation tokens (not trained)")
+    max_tool_calls: int = Field(default=4, ge=0, description="tool observations per response at most")
 
 
 class AsyncConfig(_Strict):
@@ -140,6 +145,10 @@ class TrainerConfig(_Strict):
     max_nonfinite_in_a_row: int = Field(default=3, ge=1)
     num_threads: int | None = Field(default=None, ge=1, description="trainer intra-op threads (default: auto, see run.threads)")
     separate_proximal_pass: bool = Field(default=False, description="always compute pi_prox in its own forward pass (with minibatches=1 the gradient pass's detached log-probs are identical and are reused)")
+    activation_checkpointing: bool = Field(
+        default=False, description="recompute transformer-layer activations in the backward pass: less memory, ~30% more trainer time")
+    optimizer_foreach: bool | None = Field(
+        default=None, description="AdamW's multi-tensor path (None = torch default); false lowers peak memory")
 
 
 class RunConfig(_Strict):

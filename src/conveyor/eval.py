@@ -114,6 +114,8 @@ def evaluate(
     dataset: str = "",
     model_name: str = "",
     progress: bool = True,
+    tool: str = "none",
+    max_tool_calls: int = 4,
 ) -> EvalResult:
     """Generate ``samples_per_problem`` responses for every sample and score them.
 
@@ -129,6 +131,9 @@ def evaluate(
         temperature, top_p, max_new_tokens: Sampling settings (max_new_tokens in tokens).
         instruction: Appended to every question (answer-format instruction).
         progress: Show a rich progress bar.
+        tool: ``"calculator"`` evaluates the tool-using agent (:mod:`conveyor.rollout.tools`);
+            response lengths then count actions and observations.
+        max_tool_calls: Observations per response at most.
 
     Returns:
         An :class:`EvalResult`.
@@ -141,6 +146,8 @@ def evaluate(
     n = samples_per_problem or k
     if not samples:
         raise ValueError("evaluate: no samples to evaluate (empty dataset or --n 0)")
+    if tool not in ("none", "calculator"):
+        raise ValueError(f"evaluate: tool must be 'none' or 'calculator', got {tool!r}")
     if n < k or k < 1:
         raise ValueError(f"evaluate: need 1 <= k <= samples_per_problem, got k={k}, samples_per_problem={n}")
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
@@ -149,7 +156,12 @@ def evaluate(
 
     async def run_all(bar=None, task=None):
         async def one(i: int):
-            out = await engine.generate(prompts[i], params)
+            if tool == "calculator":
+                from conveyor.rollout.tools import generate_with_calculator
+
+                out = await generate_with_calculator(engine, tokenizer, prompts[i], params, max_calls=max_tool_calls)
+            else:
+                out = await engine.generate(prompts[i], params)
             if bar is not None:
                 bar.advance(task)
             return i, out

@@ -159,6 +159,7 @@ def _heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logg
     res = evaluate(
         engine, tokenizer, samples, k=1, temperature=0.0, max_new_tokens=cfg.run.eval_max_new_tokens,
         instruction=cfg.data.instruction, dataset=cfg.data.heldout, model_name=cfg.model.name, progress=progress,
+        tool=cfg.rollout.tool, max_tool_calls=cfg.rollout.max_tool_calls,
     )
     res.write_json(run_dir / f"eval_{label}.json")
     logger.event("eval", label=label, version=engine.version, **{k: v for k, v in res.summary().items() if not isinstance(v, dict)})
@@ -240,7 +241,8 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
     dedicated = trainer.proximal if trainer.proximal.name == "dedicated" else None
     engine = InferenceEngine(engine_model, tokenizer, version=trainer.version, max_batch_size=cfg.rollout.max_batch_size,
                              seed=cfg.run.seed + trainer.version, num_threads=engine_threads,
-                             track_partials=partial_sync or dedicated is not None)
+                             track_partials=partial_sync or dedicated is not None,
+                             reencode_on_update=cfg.rollout.reencode_on_update)
     engine.start()
     reward_service = RewardService(reward_fn, timeout_s=cfg.reward.timeout_s,
                                    failure_score=cfg.reward.failure_score, max_workers=cfg.reward.workers)
@@ -248,7 +250,8 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
     B = cfg.trainer.batch_size * G  # trajectories per update
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
-    workflow = SingleTurnMathWorkflow(tokenizer, reward_service, params, group_size=G, instruction=cfg.data.instruction)
+    workflow = SingleTurnMathWorkflow(tokenizer, reward_service, params, group_size=G, instruction=cfg.data.instruction,
+                                      tool=cfg.rollout.tool, max_tool_calls=cfg.rollout.max_tool_calls)
     lat = cfg.rollout.env_latency
     if lat.median_s > 0:
         workflow = EnvLatencyWorkflow(workflow, median_s=lat.median_s, sigma=lat.sigma, max_s=lat.max_s, seed=lat.seed + trainer.version)
@@ -293,6 +296,8 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
 
     if dedicated is not None:
         dedicated.start(trainer)
+    if partial_sync or dedicated is not None:
+        engine.partial_requests(require_pause=False)  # forget the held-out evaluation's requests
     controller.start()
     t_start = time.perf_counter()
     trainer_busy = 0.0

@@ -49,6 +49,9 @@ class Trajectory:
         finish_reason: ``"stop"`` (eos / stop string), ``"length"`` (max new tokens) or ``"abort"``.
         text: Decoded response text.
         metadata: Free-form extras (e.g. ``reward_failed``, ``format_ok``).
+        action_mask: Optional, length ``R``: 1 for tokens the policy generated, 0 for tokens an
+            environment inserted (tool observations), which carry no loss (SAO's
+            skip-observation idea, MISSION.md section 3). None means every token is an action.
     """
 
     sample: Sample
@@ -62,6 +65,7 @@ class Trajectory:
     finish_reason: str = "stop"
     text: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    action_mask: list[int] | None = None
 
     @property
     def oldest_version(self) -> int:

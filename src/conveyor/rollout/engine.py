@@ -587,6 +587,11 @@ class InferenceEngine:
             always upcast to float32 before sampling. Weight updates are cast to the model dtype.
         track_partials: Remember finished requests until the next :meth:`partial_requests`
             call (partial-rollout sync needs them; off by default so nothing accumulates).
+        reencode_on_update: After a weight update, drop the in-flight requests' KV caches and
+            re-encode prompt + partial response with the new weights (AReaL; default). False
+            keeps the caches computed with the old weights and continues decoding on top of
+            them (PipelineRL's in-flight update): generation pauses only for the weight copy,
+            but the new tokens attend to keys / values of the previous version.
 
     Attributes:
         model: The model (read it only while the engine is paused or stopped; the decode thread
@@ -609,6 +614,7 @@ class InferenceEngine:
         num_threads: int | None = None,
         dtype: torch.dtype | None = None,
         track_partials: bool = False,
+        reencode_on_update: bool = True,
     ) -> None:
         if not _is_int(version) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
@@ -685,6 +691,7 @@ class InferenceEngine:
             num_threads=0,
         )
         self._track_partials = track_partials
+        self._reencode_on_update = reencode_on_update
         self._finished_unscored: dict[int, _Request] = {}
         # batch size -> [decode steps, forward seconds]: the simulator's calibration
         self._decode_profile: dict[int, list[float]] = {}
@@ -1176,7 +1183,7 @@ class InferenceEngine:
                         if updates:
                             in_flight = self._reencode + (self._batch.reqs if self._batch else [])
                             self._apply_updates(updates, in_flight)
-                            if self._batch is not None:
+                            if self._batch is not None and self._reencode_on_update:
                                 self._reencode += self._batch.reqs
                                 self._batch = None
                         if stopping:

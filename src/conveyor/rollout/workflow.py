@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 from conveyor.prompts import build_prompt_ids
 from conveyor.rewards import RewardService, correctness_reward, format_ok
 from conveyor.rollout.engine import SamplingParams
+from conveyor.rollout.tools import TOOLS, generate_with_calculator
 from conveyor.types import Sample, Trajectory
 
 
@@ -40,11 +41,20 @@ class SingleTurnMathWorkflow:
         params: Sampling parameters of the engine.
         group_size: Responses per prompt (>= 1).
         instruction: Appended to every question (the answer-format instruction).
+        tool: ``"none"`` or ``"calculator"``: each response may call a calculator
+            (:mod:`conveyor.rollout.tools`); its results are observation tokens
+            (``trajectory.action_mask`` 0), never trained on.
+        max_tool_calls: Observations per response at most.
     """
 
-    def __init__(self, tokenizer, reward_service: RewardService, params: SamplingParams, *, group_size: int = 4, instruction: str = ""):
+    def __init__(self, tokenizer, reward_service: RewardService, params: SamplingParams, *, group_size: int = 4, instruction: str = "",
+                 tool: str = "none", max_tool_calls: int = 4):
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if tool not in TOOLS:
+            raise ValueError(f"tool must be one of {TOOLS}, got {tool!r}")
+        self.tool = tool
+        self.max_tool_calls = max_tool_calls
         self.tokenizer = tokenizer
         self.reward_service = reward_service
         self.params = params
@@ -59,7 +69,11 @@ class SingleTurnMathWorkflow:
             aborted (engine stopping).
         """
         prompt_ids = build_prompt_ids(self.tokenizer, sample, self.instruction)
-        outs = await asyncio.gather(*[engine.generate(prompt_ids, self.params) for _ in range(self.group_size)])
+        if self.tool == "calculator":
+            outs = await asyncio.gather(*[generate_with_calculator(engine, self.tokenizer, prompt_ids, self.params,
+                                                                   max_calls=self.max_tool_calls) for _ in range(self.group_size)])
+        else:
+            outs = await asyncio.gather(*[engine.generate(prompt_ids, self.params) for _ in range(self.group_size)])
         if all(o.finish_reason == "abort" for o in outs):
             return None
         # rewards (worker processes) and the accuracy metric (threads) are computed concurrently
@@ -84,6 +98,7 @@ class SingleTurnMathWorkflow:
                     correct=correct >= 1.0,
                     finish_reason=o.finish_reason,
                     text=o.text,
+                    action_mask=getattr(o, "action_mask", None),
                     metadata={
                         "reward_failed": r.failed,
                         "reward_error": r.error,
@@ -91,7 +106,9 @@ class SingleTurnMathWorkflow:
                         "num_interruptions": o.num_interruptions,
                         "reward_seconds": reward_s,
                         # shared with the engine: partial-rollout sync fills it at weight updates
-                        "old_logprobs": o.old_logprobs,
+                        # (one engine request per response; tool episodes span several: not kept)
+                        "old_logprobs": getattr(o, "old_logprobs", []),
+                        "tool_calls": getattr(o, "tool_calls", 0),
                     },
                 )
             )

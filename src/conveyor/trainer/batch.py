@@ -74,8 +74,11 @@ def _pack_row(trajectories: list[Trajectory], advantages: torch.Tensor, indices:
         row["tgt"] += seq_ids[1:] + [0]
         m, b, v, o = [0.0] * n, [0.0] * n, [-1] * n, [math.nan] * n
         old = t.metadata.get("old_logprobs") or ()
+        act = t.action_mask
+        if act is not None and len(act) != r:
+            raise ValueError(f"trajectory {t.sample.id}: action_mask ({len(act)}) and response_ids ({r}) differ in length")
         for k in range(r):
-            m[p + k - 1] = 1.0
+            m[p + k - 1] = 1.0 if act is None or act[k] else 0.0  # observations carry no loss
             b[p + k - 1] = float(t.behaviour_logprobs[k])
             v[p + k - 1] = int(t.versions[k])
             if k < len(old):

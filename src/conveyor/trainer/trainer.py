@@ -113,7 +113,12 @@ class Trainer:
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=trainer_cfg.lr, betas=trainer_cfg.betas, weight_decay=trainer_cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(params, lr=trainer_cfg.lr, betas=trainer_cfg.betas, weight_decay=trainer_cfg.weight_decay,
+                                           foreach=trainer_cfg.optimizer_foreach)
+        if trainer_cfg.activation_checkpointing:
+            if not hasattr(model, "gradient_checkpointing_enable"):
+                raise ValueError("trainer.activation_checkpointing needs a transformers model (gradient_checkpointing_enable)")
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         total = max(1, trainer_cfg.total_steps * trainer_cfg.minibatches)
         warm = trainer_cfg.warmup_steps * trainer_cfg.minibatches
 
