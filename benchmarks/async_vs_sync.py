@@ -37,14 +37,15 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def _run(out: Path, name: str, overrides: list[str]) -> dict:
+def _run(out: Path, name: str, overrides: list[str], reuse: bool = False) -> dict:
     run_dir = out / name
-    shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, "-m", "conveyor.cli", "train", *overrides, f"run.dir={run_dir}"]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
-    if p.returncode != 0:
-        raise SystemExit(f"run {name} failed ({' '.join(cmd)}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+    if not (reuse and (run_dir / "summary.json").is_file()):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cmd = [sys.executable, "-m", "conveyor.cli", "train", *overrides, f"run.dir={run_dir}"]
+        p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+        if p.returncode != 0:
+            raise SystemExit(f"run {name} failed ({' '.join(cmd)}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
     summ = json.loads((run_dir / "summary.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     last = metrics[-max(1, len(metrics) // 4):]
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--calibrate-eta", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="tiny model, 2 steps, eta 0 and 2 (CI smoke run)")
     ap.add_argument("--out", default="runs/bench_async_vs_sync")
+    ap.add_argument("--reuse", action="store_true", help="reuse finished runs under --out (recompute the analysis only)")
+    ap.add_argument("--sim-seeds", type=int, default=5, help="simulator predictions: mean over this many seeds")
     args = ap.parse_args(argv)
     if args.quick:
         args.model, args.steps, args.batch_size, args.max_new_tokens, args.etas = "tiny", 2, 2, 8, "0,2"
@@ -102,12 +105,15 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"--profiles: unknown profile {prof!r} (a, b)")
         runs = {}
         for eta in etas:
-            runs[eta] = _run(out, f"{prof}_eta{eta}", extra + [f"async.eta={eta}", "trainer.num_threads=1", "rollout.engine_threads=1"])
-        allcores = _run(out, f"{prof}_eta0_allcores", extra + ["async.eta=0"])
+            runs[eta] = _run(out, f"{prof}_eta{eta}", extra + [f"async.eta={eta}", "trainer.num_threads=1", "rollout.engine_threads=1"],
+                             args.reuse)
+        allcores = _run(out, f"{prof}_eta0_allcores", extra + ["async.eta=0"], args.reuse)
         base = runs[0]["wall_s"] if 0 in runs else None
         cal = calibrate(Path(runs[args.calibrate_eta]["run_dir"]))
         for eta, rec in runs.items():
-            pred = simulate(cal.model_copy(update={"eta": eta, "mode": "async"})).wall_seconds
+            preds = [simulate(cal.model_copy(update={"eta": eta, "mode": "async", "seed": s})).wall_seconds
+                     for s in range(args.sim_seeds)]
+            pred = sum(preds) / len(preds)
             rec["simulated_wall_s"] = pred
             rec["simulation_error"] = pred / rec["wall_s"] - 1.0
             rec["calibration_run"] = eta == args.calibrate_eta

@@ -110,14 +110,14 @@ else:
             real = [(qs[i], qs[i + 1], 0.0) for i in range(0, 16, 2)]
         real_errs = []
         with torch.no_grad():
-            for p, r, _ in seqs[:8] + real:
+            for p, r, _reward in seqs[:8] + real:
                 s = torch.tensor([p + r])
                 ref = torch.log_softmax(model(input_ids=s).logits.float()[0, :-1] / 0.7, -1).gather(-1, s[0, 1:, None])[:, 0]
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     ours, _ = token_logprobs(model, s, torch.arange(s.shape[1])[None], torch.cat([s[:, 1:], s[:, :1]], 1),
                                              temperature=0.7, chunk_tokens=512)
                 ours = ours[0, :-1]
-                (real_errs if (p, r, _) in real else errs).append((ours.float() - ref)[len(p) - 1 :].abs())
+                (real_errs if any(p is q for q, _r, _x in real) else errs).append((ours.float() - ref)[len(p) - 1 :].abs())
         e = torch.cat(errs)
         out = {"logprob_abs_err_max": e.max().item(), "logprob_abs_err_mean": e.mean().item(), "tokens": e.numel()}
         if real_errs:

@@ -55,6 +55,8 @@ class Dist(_Strict):
             normal), ``uniform`` (``low``..``high``) or ``empirical`` (resample ``values``).
         scale: Multiplier applied to every draw (e.g. 32k-token responses from a measured shape).
         max: Optional upper bound applied after scaling (e.g. max new tokens).
+        shift: Added to every draw after ``max`` (e.g. a reward-scoring latency on top of an
+            environment wait).
         integer: Round draws to the nearest integer >= 1 (token counts).
     """
 
@@ -67,6 +69,7 @@ class Dist(_Strict):
     values: list[float] = Field(default_factory=list)
     scale: float = 1.0
     max: float | None = None
+    shift: float = 0.0
     integer: bool = False
 
     @model_validator(mode="after")
@@ -94,7 +97,7 @@ class Dist(_Strict):
         x *= self.scale
         if self.max is not None:
             x = min(x, self.max)
-        x = max(0.0, x)
+        x = max(0.0, x + self.shift)
         return float(max(1, round(x))) if self.integer else x
 
     def mean(self) -> float:
@@ -107,7 +110,7 @@ class Dist(_Strict):
             m = (self.low + self.high) / 2
         else:
             m = sum(self.values) / len(self.values)
-        return m * self.scale
+        return m * self.scale + self.shift
 
 
 class RolloutSim(_Strict):
@@ -353,27 +356,32 @@ class _Sim:
         for _g in range(G):
             trajs.append({"context": prompt, "tokens": prompt, "oldest": None})
 
-        def one(t):
-            for _turn in range(cfg.turns):
-                resp = int(cfg.response_tokens.draw(self.rng))
-                req = _Req(prompt=t["context"], remaining=resp, done=self.env.event())
-                min(self.workers, key=lambda w: w.load()).submit(req)
-                yield req.done
-                if t["oldest"] is None:
-                    t["oldest"] = req.first_version
-                t["context"] += resp
-                t["tokens"] += resp
-                lat = cfg.env_latency_s.draw(self.rng)
-                if lat > 0:
-                    yield self.env.timeout(lat)
-            if self.proximal is not None and self.cfg.proximal.s_per_token > 0:
-                with self.proximal.request() as slot:
-                    yield slot
-                    dt = self.cfg.proximal.s_per_token * t["tokens"]
-                    self.proximal_busy += dt
-                    yield self.env.timeout(dt)
+        def generate(t):
+            resp = int(cfg.response_tokens.draw(self.rng))
+            req = _Req(prompt=t["context"], remaining=resp, done=self.env.event())
+            min(self.workers, key=lambda w: w.load()).submit(req)
+            yield req.done
+            if t["oldest"] is None:
+                t["oldest"] = req.first_version
+            t["context"] += resp
+            t["tokens"] += resp
 
-        yield self.env.all_of([self.env.process(one(t)) for t in trajs])
+        def old_logits(t):
+            with self.proximal.request() as slot:
+                yield slot
+                dt = self.cfg.proximal.s_per_token * t["tokens"]
+                self.proximal_busy += dt
+                yield self.env.timeout(dt)
+
+        for _turn in range(cfg.turns):
+            # the group's responses are generated concurrently, then the episode waits once on
+            # its environment (as conveyor's EnvLatencyWorkflow does)
+            yield self.env.all_of([self.env.process(generate(t)) for t in trajs])
+            lat = cfg.env_latency_s.draw(self.rng)
+            if lat > 0:
+                yield self.env.timeout(lat)
+        if self.proximal is not None and self.cfg.proximal.s_per_token > 0:
+            yield self.env.all_of([self.env.process(old_logits(t)) for t in trajs])
         self.running -= G
         self.accepted += G
         self.buffer.extend(_Traj(t["tokens"], t["oldest"] if t["oldest"] is not None else self.version) for t in trajs)
@@ -511,6 +519,7 @@ def calibrate(run_dir: str | Path) -> SimConfig:
     prompts: list[float] = []
     responses: list[float] = []
     env_waits: list[float] = []
+    reward_waits: list[float] = []
     for line in paths["trained.jsonl"].read_text().splitlines():
         rec = json.loads(line)
         for g in rec["groups"]:
@@ -520,6 +529,7 @@ def calibrate(run_dir: str | Path) -> SimConfig:
             env = g.get("env_seconds") or [0.0] * len(g.get("lengths", []))
             rew = g.get("reward_seconds") or [0.0] * len(env)
             env_waits.extend(e + r for e, r in zip(env, rew, strict=False))  # the episode waits for both
+            reward_waits.extend(rew)
     if not responses:
         raise ValueError(f"{paths['trained.jsonl']}: no trajectory lengths recorded")
     steps = [json.loads(line) for line in paths["metrics.jsonl"].read_text().splitlines() if line.strip()]
@@ -534,7 +544,17 @@ def calibrate(run_dir: str | Path) -> SimConfig:
     sync_s = statistics.median(m.get("time/weight_sync_s", 0.0) for m in steps)
     books = [m["time/bookkeeping_s"] for m in steps if "time/bookkeeping_s" in m]
     t_base += statistics.median(books) if books else 0.0  # metrics, logs, checkpoints between updates
-    env = Dist(kind="empirical", values=env_waits) if any(w > 0 for w in env_waits) else Dist(kind="constant", value=0.0)
+    lat = conf["rollout"].get("env_latency") or {}
+    if lat.get("median_s", 0) > 0:
+        # a configured (simulated) environment: its exact distribution, not the waits of the
+        # trajectories that happened to be trained (short waits are over-represented there: the
+        # long ones were still in flight when the run ended)
+        env = Dist(kind="lognormal", median=lat["median_s"], sigma=lat["sigma"], max=lat["max_s"],
+                   shift=statistics.fmean(reward_waits) if reward_waits else 0.0)
+    elif any(w > 0 for w in env_waits):
+        env = Dist(kind="empirical", values=env_waits)
+    else:
+        env = Dist(kind="constant", value=0.0)
     return SimConfig(
         mode="async",
         eta=conf["async"]["eta"],
