@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"model.name={args.model}", f"trainer.total_steps={args.steps}", f"trainer.batch_size={args.batch_size}",
         f"rollout.max_new_tokens={args.max_new_tokens}", "run.eval_before=false", "run.eval_after=false",
         "run.export=false", "run.progress=false", "run.checkpoint_every=1000", "trainer.warmup_steps=0",
+        # the settings these figures were measured with (the main job's defaults before the calculator)
+        "rollout.group_size=4", "rollout.temperature=0.7", "reward.fn=math", "loss.kl_coef=0", "rollout.tool=none",
+        "trainer.lr=1e-5",
     ]
     from conveyor.simulate import calibrate, simulate
 

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
         for method in METHODS:
             model = copy.deepcopy(base_model)
             tr = Trainer(model, TrainerConfig(lr=1e-7, warmup_steps=0, num_threads=args.threads),
-                         LossConfig(), proximal_cfg=ProximalConfig(method=method, ewma_reset_keep_rate=0.0), eta=eta)
+                         LossConfig(kl_coef=0.0), proximal_cfg=ProximalConfig(method=method, ewma_reset_keep_rate=0.0), eta=eta)
             # warm-up updates fill the snapshot window (versions 0..eta) before timing
             for w in range(max(1, eta)):
                 tr.train_step(batch(tr.version, eta, seed=100 + w))
@@ -132,7 +132,7 @@ def _runtime_rows(args, etas: list[int], one: int | None) -> list[dict]:
                 run = Path(tmp) / f"{method}_{eta}"
                 cmd = [sys.executable, "-m", "conveyor.cli", "train", f"model.name={args.runtime_model}",
                        f"trainer.total_steps={args.runtime_steps}", "trainer.batch_size=4", "rollout.group_size=4",
-                       "rollout.max_new_tokens=32", f"async.eta={eta}", f"proximal.method={method}",
+                       "rollout.max_new_tokens=32", f"async.eta={eta}", f"proximal.method={method}", "rollout.tool=none",
                        "run.eval_before=false", "run.eval_after=false", "run.export=false", "run.progress=false",
                        "run.checkpoint_every=1000", f"run.dir={run}"]
                 p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))

@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     common = [f"model.name={args.model}", f"trainer.total_steps={args.steps}", "trainer.batch_size=2", "rollout.group_size=4",
               "rollout.max_new_tokens=32", "reward.fn=format", f"trainer.lr={args.lr}", "trainer.warmup_steps=0",
               "trainer.num_threads=1", "rollout.engine_threads=1", "rollout.temperature=0.7",
+              "rollout.tool=none", "loss.kl_coef=0",
               "run.eval_before=false", "run.eval_after=false", "run.export=false", "run.progress=false",
               "run.checkpoint_every=1000"]
     cells = []

@@ -90,7 +90,7 @@ else:
     from conveyor.trainer.trainer import Trainer
     from conveyor.types import Sample, Trajectory
     trainer = Trainer(model, TrainerConfig(lr=1e-6, warmup_steps=0, num_threads=args["threads"], **args.get("overrides", {})),
-                      LossConfig(), temperature=0.7)
+                      LossConfig(kl_coef=0.0), temperature=0.7)
     sample = Sample(id="bench/0", question="q", answer="0", dataset="bench")
     trajs = []
     for i, (p, r, x) in enumerate(seqs):

@@ -90,3 +90,11 @@ def test_shipped_default_config_file_matches_the_code_defaults():
 
     path = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
     assert load_config(path) == TrainConfig()
+
+
+def test_runtime_proximal_methods_refuse_tool_episodes():
+    import pytest
+
+    with pytest.raises(ConfigError, match="rollout.tool"):
+        load_config(None, ["proximal.method=partial_sync", "rollout.tool=calculator"])
+    assert load_config(None, ["proximal.method=partial_sync", "rollout.tool=none"]).proximal.method == "partial_sync"

@@ -52,9 +52,9 @@ class EnvLatencyConfig(_Strict):
 class RolloutConfig(_Strict):
     """Generation settings of the rollout engine and the workflow (MISSION.md section 1)."""
 
-    group_size: int = Field(default=4, ge=1, description="responses per prompt (GRPO group)")
+    group_size: int = Field(default=8, ge=1, description="responses per prompt (GRPO group)")
     max_new_tokens: int = Field(default=96, ge=1, description="tokens")
-    temperature: float = Field(default=0.7, ge=0.0)
+    temperature: float = Field(default=0.6, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     max_concurrent: int = Field(default=64, ge=1, description="trajectories in flight at most")
@@ -66,7 +66,7 @@ class RolloutConfig(_Strict):
     reencode_on_update: bool = Field(
         default=True, description="re-encode in-flight requests after a weight update (false: keep their KV caches, pause only for the copy)")
     tool: Literal["none", "calculator"] = Field(
-        default="none", description="calculator: results of 'a op b =' are inserted as observation tokens (not trained)")
+        default="calculator", description="calculator: results of 'a op b =' are inserted as observation tokens (not trained)")
     max_tool_calls: int = Field(default=4, ge=0, description="tool observations per response at most")
 
 
@@ -80,7 +80,7 @@ class AsyncConfig(_Strict):
 class RewardConfig(_Strict):
     """Reward function (built-in name or ``module:function``) and the reward service settings."""
 
-    fn: str = "math"
+    fn: str = "correctness"
     timeout_s: float = Field(default=10.0, gt=0)
     failure_score: float = 0.0
     workers: int = Field(default=2, ge=1)
@@ -98,7 +98,7 @@ class LossConfig(_Strict):
     behaviour_weight_cap: float | None = Field(default=5.0, gt=0)
     behaviour_weight_cap_mode: Literal["clamp", "mask"] = "mask"
     advantage: Literal["grpo", "dr_grpo", "reinforce"] = "grpo"
-    kl_coef: float = Field(default=0.0, ge=0, description="KL(pi_theta || pi_ref) penalty weight (k3); 0 disables the reference model")
+    kl_coef: float = Field(default=0.05, ge=0, description="KL(pi_theta || pi_ref) penalty weight (k3); 0 disables the reference model")
     discrepancy_low: float = Field(default=0.8, gt=0, le=1, description="two_ratio / ewma keep-rate: lower bound of pi_old_train / pi_behav")
     discrepancy_high: float = Field(default=1.25, ge=1, description="two_ratio / ewma keep-rate: upper bound of pi_old_train / pi_behav")
     dis_preset: Literal["reasoning", "coding"] | None = Field(default=None, description="SAO presets (eps 0.3/5.0, 0.8/3.0); overrides dis_eps_*")
@@ -129,9 +129,9 @@ class ProximalConfig(_Strict):
 class TrainerConfig(_Strict):
     """Optimisation. ``batch_size`` counts prompts (groups) per policy update."""
 
-    batch_size: int = Field(default=8, ge=1, description="prompts (groups) per update")
-    total_steps: int = Field(default=45, ge=0)
-    lr: float = Field(default=1e-5, gt=0)
+    batch_size: int = Field(default=4, ge=1, description="prompts (groups) per update")
+    total_steps: int = Field(default=30, ge=0)
+    lr: float = Field(default=2e-5, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float | None = Field(default=1.0, gt=0)
@@ -182,6 +182,12 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
+        if self.rollout.tool != "none" and self.proximal.method in ("partial_sync", "dedicated"):
+            raise ValueError(
+                f"proximal.method={self.proximal.method} scores the engine's requests one by one, but rollout.tool="
+                f"{self.rollout.tool} splits a response into several requests; use snapshot, ewma or recompute, "
+                "or rollout.tool=none"
+            )
         if self.rollout.max_concurrent < self.rollout.group_size:
             raise ValueError(
                 f"rollout.max_concurrent ({self.rollout.max_concurrent}) must be >= rollout.group_size ({self.rollout.group_size})"
