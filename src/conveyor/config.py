@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -68,6 +68,11 @@ class RolloutConfig(_Strict):
     tool: Literal["none", "calculator"] = Field(
         default="calculator", description="calculator: results of 'a op b =' are inserted as observation tokens (not trained)")
     max_tool_calls: int = Field(default=4, ge=0, description="tool observations per response at most")
+
+    @field_validator("tool", mode="before")
+    @classmethod
+    def _tool_none(cls, v: Any) -> Any:
+        return "none" if v is None else v  # `rollout.tool=none` on the command line parses as null
 
 
 class AsyncConfig(_Strict):
