@@ -287,8 +287,6 @@ class _Worker:
                     r.first_version = self.sim.version
             b = len(self.active)
             n = min(min(r.remaining for r in self.active), cfg.max_jump_steps)
-            if self.queue and b < cfg.max_batch_size:
-                n = 1
             dt = n * (cfg.decode_base_s + cfg.decode_per_seq_s * b)
             self.busy += dt
             yield env.timeout(dt)
