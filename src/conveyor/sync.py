@@ -34,6 +34,13 @@ class WeightUpdate:
         """Total payload size in bytes."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor by name, aliases included (the tied tensor under each of its names), for
+        ``model.load_state_dict``. No copies: the message's tensors themselves."""
+        out = dict(self.tensors)
+        out.update({name: self.tensors[src] for name, src in self.aliases.items()})
+        return out
+
     @classmethod
     def from_model(cls, model: torch.nn.Module, version: int, dtype: torch.dtype | None = None) -> WeightUpdate:
         """Snapshot ``model``'s state dict as an update message (copies every tensor).

@@ -276,10 +276,8 @@ class Dedicated(PartialSync):
                 partials, update = job
                 t0 = time.perf_counter()
                 n = score_partials(self._trainer, self.model, partials, self.version)
-                tensors = dict(update.tensors)
-                tensors.update({a: update.tensors[src] for a, src in update.aliases.items()})
                 with torch.no_grad():
-                    self.model.load_state_dict(tensors, strict=False)
+                    self.model.load_state_dict(update.state_dict(), strict=False)
                 with self._cond:
                     self.busy_seconds += time.perf_counter() - t0
                     self.scored_tokens += n
@@ -384,9 +382,7 @@ class Snapshot(ProximalStrategy):
                     self._missing += int(sel.sum())
                 model = trainer.model
             else:
-                tensors = dict(state.tensors)
-                tensors.update({a: state.tensors[src] for a, src in state.aliases.items()})
-                self._scratch.load_state_dict(tensors, strict=True)
+                self._scratch.load_state_dict(state.state_dict(), strict=True)
                 model = self._scratch
             with torch.no_grad():
                 lp, _ = trainer._logprobs(model, mb)
