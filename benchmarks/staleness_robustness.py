@@ -52,18 +52,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--etas", default="0,4,8")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--lr", type=float, default=3e-5)
+    ap.add_argument("--batch-size", type=int, default=3, help="prompts per update (trainer.batch_size)")
+    ap.add_argument("--group-size", type=int, default=8, help="responses per prompt (rollout.group_size)")
+    ap.add_argument("--heldout", type=int, default=40,
+                    help="held-out prompts scored greedily after training (format rate of the final policy); 0 = none")
     ap.add_argument("--quick", action="store_true", help="tiny model, 2 steps, eta 0 and 2, two methods (CI smoke run)")
     ap.add_argument("--out", default="runs/bench_staleness")
     args = ap.parse_args(argv)
     if args.quick:
         args.model, args.steps, args.etas, args.methods = "tiny", 2, "0,2", "ppo,snapshot"
+        args.batch_size, args.group_size, args.heldout = 2, 4, 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    common = [f"model.name={args.model}", f"trainer.total_steps={args.steps}", "trainer.batch_size=2", "rollout.group_size=4",
+    common = [f"model.name={args.model}", f"trainer.total_steps={args.steps}", f"trainer.batch_size={args.batch_size}", f"rollout.group_size={args.group_size}",
               "rollout.max_new_tokens=32", "reward.fn=format", f"trainer.lr={args.lr}", "trainer.warmup_steps=0",
               "trainer.num_threads=1", "rollout.engine_threads=1", "rollout.temperature=0.7",
               "rollout.tool=none", "loss.kl_coef=0",
-              "run.eval_before=false", "run.eval_after=false", "run.export=false", "run.progress=false",
+              "run.eval_before=false", f"run.eval_after={'true' if args.heldout else 'false'}",
+              f"data.heldout_limit={max(1, args.heldout)}", "run.eval_max_new_tokens=32", "run.export=false", "run.progress=false",
               "run.checkpoint_every=1000"]
     cells = []
     for eta in [int(e) for e in args.etas.split(",")]:
@@ -84,8 +90,10 @@ def main(argv: list[str] | None = None) -> dict:
                 notes.append(f"reward fell from its best {best:.2f} to {final:.2f}")
             if any(m["train/skipped_nonfinite"] for m in ms):
                 notes.append("non-finite steps")
+            after = json.loads((run / "eval_after.json").read_text()) if (run / "eval_after.json").is_file() else {}
             cell = {
-                "eta": eta, "method": method, "final_reward": final, "best_reward": best, "reward_curve": rewards,
+                "eta": eta, "method": method, "final_reward": final,
+                "heldout_format_rate": after.get("format_rate"), "heldout_pass_at_1": after.get("pass_at_1"), "best_reward": best, "reward_curve": rewards,
                 "staleness_mean": sum(m["staleness/mean"] for m in ms) / len(ms),
                 "staleness_max": max(m["staleness/max"] for m in ms),
                 "clip_frac": sum(m.get("loss/clip_low_frac", 0.0) + m.get("loss/clip_high_frac", 0.0) for m in ms) / len(ms),

@@ -3,19 +3,27 @@ baseline, same model, data and threads, each in a fresh process (issue 5; bars: 
 <= 3 GB and >= 2x tokens/s against the baseline, both measured in the same run).
 
 Usage: python benchmarks/trainer.py [--model smollm2-135m-instruct|tiny] [--sequences 32]
-       [--prompt-len 60] [--response-len 50] [--threads 2] [--quick] [--output FILE.json]
+       [--prompt-len 60] [--response-len 50] [--threads 2] [--updates 1] [--allocator glibc|tcmalloc|jemalloc]
+       [--quick] [--output FILE.json]
 
 - **naive** (the prototype of MEASURED.md): fp32, the batch padded to its longest sequence,
   full-vocabulary ``log_softmax`` over all positions, then gather; PPO-clip loss; AdamW step.
 - **conveyor**: :class:`conveyor.trainer.trainer.Trainer` with the default config (packed rows,
   chunked log-probs under checkpointing of the vocabulary projection, bf16 autocast, decoupled PPO).
 - **conveyor lean**: the same with ``trainer.activation_checkpointing=true`` (transformer layers
-  recomputed in the backward pass), ``trainer.micro_batch_tokens=1024`` and
-  ``trainer.optimizer_foreach=false``: the memory-lean settings.
+  recomputed in the backward pass; this also turns the autocast weight cache off) and
+  ``trainer.logprob_chunk_tokens=128``; with glibc's malloc also ``trainer.malloc_trim=true`` and
+  ``trainer.malloc_mmap_threshold=8388608`` (glibc's heap otherwise fragments: ~3.5-4.3 GB
+  resident for ~2.8 GB of live tensors; its remedy costs page faults). Both conveyor variants use
+  the fused AdamW kernel (the default).
+
+``--allocator tcmalloc|jemalloc`` preloads that malloc into every child (naive included): the
+allocator is part of the environment, as in PyTorch's CPU performance-tuning guide.
 
 Both run one warm-up update and then ``--updates`` timed updates on the same synthetic batch
-(random token ids of the given lengths, lengths varying +-50% around the mean, rewards 0/1 in
-groups of 4). Tokens/s counts response tokens (the loss tokens). Peak memory is the child
+(random token ids of the given lengths, lengths varying +-50% around the mean, rewards 0/1;
+``--group-size`` responses share one prompt, as in a GRPO batch: conveyor packs the prompt once
+per group, ``trainer.share_prompts``; ``--group-size 1`` gives every sequence its own prompt). Tokens/s counts response tokens (the loss tokens). Peak memory is the child
 process's maximum resident set size (``ru_maxrss``: model, optimizer state, activations and the
 Python / torch runtime). A third child measures the log-prob error of the conveyor path against
 fp32 full log-softmax on the same batch and weights (max / mean absolute difference, nats).
@@ -48,7 +56,10 @@ seqs = []
 for i in range(args["sequences"]):
     P = max(4, round(args["prompt_len"] * rng.uniform(0.5, 1.5)))
     R = max(2, round(args["response_len"] * rng.uniform(0.5, 1.5)))
-    seqs.append(([rng.randrange(V) for _ in range(P)], [rng.randrange(V) for _ in range(R)], float(rng.random() < 0.3)))
+    prompt = [rng.randrange(V) for _ in range(P)]
+    if args["group_size"] > 1 and i % args["group_size"]:
+        prompt = seqs[i - i % args["group_size"]][0]  # GRPO: a group's responses answer one prompt
+    seqs.append((prompt, [rng.randrange(V) for _ in range(R)], float(rng.random() < 0.3)))
 resp_tokens = sum(len(r) for _, r, _ in seqs)
 
 def rss_gb():
@@ -133,13 +144,39 @@ for _ in range(args["updates"]):
     update()
     times.append(time.perf_counter() - t0)
 sec = sorted(times)[len(times) // 2]
-print(json.dumps({"mode": args["mode"], "update_s": sec, "updates": times, "response_tokens": resp_tokens,
+from conveyor.memory import active_allocator
+print(json.dumps({"mode": args["mode"], "allocator": active_allocator(), "update_s": sec, "updates": times, "response_tokens": resp_tokens,
                   "tokens_per_s": resp_tokens / sec, "peak_rss_gb": rss_gb(), "rss_after_load_gb": base_rss}))
 """
 
 
+ALLOCATORS = {"jemalloc": "libjemalloc.so.2", "tcmalloc": "libtcmalloc_minimal.so.4"}
+
+
+def _allocator_path(name: str) -> str | None:
+    """Shared-library path of ``name`` (``glibc`` = None: the C library's malloc)."""
+    if name == "glibc":
+        return None
+    import ctypes.util
+    import glob
+
+    lib = ALLOCATORS[name]
+    for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib"):
+        hits = glob.glob(os.path.join(d, lib))
+        if hits:
+            return hits[0]
+    found = ctypes.util.find_library(lib.split(".so")[0].removeprefix("lib"))
+    if found is None:
+        raise SystemExit(f"--allocator {name}: {lib} not found (Debian/Ubuntu: apt-get install "
+                         f"{'libjemalloc2' if name == 'jemalloc' else 'libtcmalloc-minimal4'})")
+    return found
+
+
 def _child(cfg: dict) -> dict:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    lib = _allocator_path(cfg.get("allocator", "glibc"))
+    if lib:
+        env["LD_PRELOAD"] = lib
     out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"{cfg['mode']} child failed:\n{out.stderr[-3000:]}")
@@ -153,20 +190,33 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=60)
     ap.add_argument("--response-len", type=int, default=50)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--group-size", type=int, default=4,
+                    help="responses per prompt, as in a GRPO batch (1 = every sequence has its own prompt)")
     ap.add_argument("--updates", type=int, default=1, help="timed updates after the warm-up (median reported)")
-    ap.add_argument("--lean-micro-batch-tokens", type=int, default=1024,
-                    help="micro-batch budget of the memory-lean variant (with activation checkpointing, foreach off)")
+    ap.add_argument("--lean-micro-batch-tokens", type=int, default=4096,
+                    help="micro-batch budget of the memory-lean variant (with activation checkpointing)")
+    ap.add_argument("--lean-logprob-chunk-tokens", type=int, default=128)
+    ap.add_argument("--lean-malloc-threshold", type=int, default=None,
+                    help="trainer.malloc_mmap_threshold of the memory-lean variant (bytes; 0 = none; "
+                         "default 8 MiB with glibc, none with a preloaded allocator)")
+    ap.add_argument("--allocator", choices=["glibc", *ALLOCATORS], default="glibc",
+                    help="malloc of every child (naive and conveyor alike), preloaded with LD_PRELOAD")
     ap.add_argument("--quick", action="store_true", help="tiny model, 8 sequences (CI smoke run)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     if args.quick:
         args.model, args.sequences, args.prompt_len, args.response_len = "tiny", 8, 20, 16
-        args.lean_micro_batch_tokens = 64
+        args.lean_micro_batch_tokens, args.lean_logprob_chunk_tokens = 64, 16
     cfg = {"model": args.model, "sequences": args.sequences, "prompt_len": args.prompt_len,
-           "response_len": args.response_len, "threads": args.threads, "updates": args.updates}
+           "response_len": args.response_len, "threads": args.threads, "updates": args.updates,
+           "allocator": args.allocator, "group_size": args.group_size}
     naive = _child({**cfg, "mode": "naive"})
     ours = _child({**cfg, "mode": "conveyor"})
-    lean_overrides = {"micro_batch_tokens": args.lean_micro_batch_tokens, "activation_checkpointing": True, "optimizer_foreach": False}
+    glibc = args.allocator == "glibc"
+    threshold = args.lean_malloc_threshold if args.lean_malloc_threshold is not None else (8 * 2**20 if glibc else 0)
+    lean_overrides = {"micro_batch_tokens": args.lean_micro_batch_tokens, "activation_checkpointing": True,
+                      "logprob_chunk_tokens": args.lean_logprob_chunk_tokens, "malloc_trim": glibc,
+                      "malloc_mmap_threshold": threshold or None}
     lean = _child({**cfg, "mode": "conveyor", "overrides": lean_overrides})
     acc = _child({**cfg, "mode": "accuracy"})
     res = {

@@ -9,7 +9,11 @@ PY=${PY:-.venv/bin/python}
 export OMP_WAIT_POLICY=PASSIVE
 $PY benchmarks/engine.py --model smollm2-135m-instruct --output "$OUT/engine_smollm2.json"
 $PY benchmarks/engine.py --model tiny --requests 128 --output "$OUT/engine_tiny.json"
-$PY benchmarks/trainer.py --model smollm2-135m-instruct --output "$OUT/trainer_smollm2.json"
+$PY benchmarks/trainer.py --model smollm2-135m-instruct --updates 3 --output "$OUT/trainer_smollm2.json"
+# the same with tcmalloc preloaded into every child (apt-get install libtcmalloc-minimal4), if present
+if ls /usr/lib/*/libtcmalloc_minimal.so.4 /usr/lib/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
+  $PY benchmarks/trainer.py --model smollm2-135m-instruct --updates 3 --allocator tcmalloc --output "$OUT/trainer_smollm2_tcmalloc.json"
+fi
 $PY benchmarks/weight_sync.py --model smollm2-135m-instruct --output "$OUT/weight_sync_smollm2.json"
 $PY benchmarks/proximal_costs.py --model tiny --output "$OUT/proximal_costs_tiny.json"
 $PY benchmarks/proximal_costs.py --model smollm2-135m-instruct --sequences 8 --steps 1 --output "$OUT/proximal_costs_smollm2.json"

@@ -88,4 +88,5 @@ def test_staleness_robustness_benchmark_quick(tmp_path):
     assert all(c["staleness_max"] <= c["eta"] for c in cells.values())
     assert all(len(c["reward_curve"]) == 2 for c in cells.values())
     assert cells[(2, "snapshot")]["discrepancy_keep_frac"] is not None
+    assert all(0.0 <= c["heldout_format_rate"] <= 1.0 for c in cells.values())  # the final policy was evaluated
     assert (tmp_path / "st" / "curves.png").is_file()

@@ -20,11 +20,13 @@ from conveyor.trainer.trainer import (
 from conveyor.types import Sample, Trajectory
 
 
-def make_trajs(n=8, group=4, seed=0, version=0, vocab=1000):
+def make_trajs(n=8, group=4, seed=0, version=0, vocab=1000, shared_prompts=False):
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
         p = torch.randint(3, vocab, (4 + i % 3,), generator=g).tolist()
+        if shared_prompts and i % group:
+            p = list(out[i - i % group].prompt_ids)  # GRPO: a group's responses share its prompt
         r = torch.randint(3, vocab, (3 + (i * 5) % 7,), generator=g).tolist()
         out.append(Trajectory(
             sample=Sample(f"s{i // group}", "q", "1", "t"), group_id=f"g{i // group}", prompt_ids=p,
@@ -40,6 +42,14 @@ def reference_logprobs(model, traj, temperature=1.0):
         lp = torch.log_softmax(model(ids).logits[0].float() / temperature, -1)
     P = len(traj.prompt_ids)
     return torch.tensor([lp[P + k - 1, t].item() for k, t in enumerate(traj.response_ids)])
+
+
+def reference_entropy(model, traj, temperature=1.0):
+    ids = torch.tensor([traj.prompt_ids + traj.response_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits[0].float() / temperature, -1)
+    P = len(traj.prompt_ids)
+    return -(lp.exp() * lp).sum(-1)[P - 1 : P - 1 + len(traj.response_ids)]
 
 
 def test_plan_micro_batches_covers_each_index_once_within_budget():
@@ -87,19 +97,28 @@ def test_pack_rows_pad_with_a_separate_segment():
     assert pb.indices == [0, 1]
 
 
+@pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_packed_chunked_logprobs_match_unpacked_full_softmax(tiny, temperature):
+def test_packed_chunked_logprobs_match_unpacked_full_softmax(tiny, temperature, grad):
     trajs = make_trajs(5)
     pb = pack(trajs, torch.zeros(5), [[0, 1], [2, 3, 4]])  # two packed rows, the first padded
-    lp, ent = token_logprobs(tiny.model, pb.input_ids, pb.position_ids, pb.targets,
-                             temperature=temperature, chunk_tokens=3, with_entropy=True, mask=pb.mask)
-    got = lp[pb.mask > 0]
+    with torch.set_grad_enabled(grad):  # with grad: the checkpointed chunk path
+        lp, ent = token_logprobs(tiny.model, pb.input_ids, pb.position_ids, pb.targets,
+                                 temperature=temperature, chunk_tokens=3, with_entropy=True, mask=pb.mask)
+    assert lp.requires_grad == grad and not ent.requires_grad
+    got = lp[pb.mask > 0].detach()
     ref = torch.cat([reference_logprobs(tiny.model, t, temperature) for t in trajs])
     assert torch.allclose(got, ref, atol=1e-5)
     assert (lp[pb.mask == 0] == 0).all()
-    # entropy of a 49k-way distribution: positive and at most log V
+    # the entropy (nats) of softmax(logits / T), from the same projection as the log-probs
     e = ent[pb.mask > 0]
+    ref_e = torch.cat([reference_entropy(tiny.model, t, temperature) for t in trajs])
+    assert torch.allclose(e, ref_e, atol=1e-4)
     assert (e > 0).all() and (e <= math.log(tiny.model.config.vocab_size) + 1e-4).all()
+    if grad:  # gradients still flow through the log-probs of the entropy-returning chunks
+        lp[pb.mask > 0].sum().backward()
+        assert tiny.model.get_output_embeddings().weight.grad.abs().sum() > 0
+        tiny.model.zero_grad(set_to_none=True)
 
 
 def test_advantages_and_staleness_metrics():
@@ -273,3 +292,103 @@ def test_engine_logprobs_match_trainer_recompute_across_an_update(tiny):
         # with the wrong version's weights the gap is large: the versions are recorded correctly
         wrong = torch.where(pb.versions == 0, lps[1], lps[0])[m]
         assert (wrong - pb.behaviour_logprobs[m]).abs().mean() > 0.1
+
+
+def test_optimizer_paths_give_the_same_update_and_memory_options_resolve(tiny):
+    """Fused (default), for-loop and foreach AdamW take the same step; checkpointing turns the
+    autocast weight cache off unless asked; contradictory settings are refused."""
+    from conveyor.config import ConfigError, load_config
+
+    trajs = make_trajs(8)
+    params = []
+    for kw in ({}, {"optimizer_foreach": False, "optimizer_fused": False}, {"optimizer_foreach": True}):
+        model = copy.deepcopy(tiny.model)
+        tr = Trainer(model, TrainerConfig(lr=1e-3, warmup_steps=0, bf16=False, **kw), LossConfig())
+        assert bool(tr.optimizer.defaults["fused"]) == (kw == {})
+        for _ in range(2):
+            tr.train_step(trajs)
+        params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert not torch.equal(params[0], torch.cat([p.detach().flatten() for p in tiny.model.parameters()]))
+    assert torch.allclose(params[0], params[1], atol=1e-6) and torch.allclose(params[0], params[2], atol=1e-6)
+
+    assert TrainerConfig().use_autocast_weight_cache and TrainerConfig().use_fused_optimizer
+    assert not TrainerConfig(activation_checkpointing=True).use_autocast_weight_cache
+    assert TrainerConfig(activation_checkpointing=True, autocast_weight_cache=True).use_autocast_weight_cache
+    with pytest.raises(ConfigError, match="optimizer_fused"):
+        load_config(None, ["trainer.optimizer_fused=true", "trainer.optimizer_foreach=true"])
+
+
+def test_bf16_autocast_logprobs_close_and_grads_reach_fp32_weights(tiny):
+    """Under bf16 autocast the projection is cast once per call; log-probs stay within bf16
+    tolerance of the fp32 reference and the gradient lands, in fp32, on the tied fp32 weight."""
+    model = copy.deepcopy(tiny.model)
+    trajs = make_trajs(4)
+    pb = pack(trajs, torch.zeros(4), [[0, 1], [2, 3]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, _ = token_logprobs(model, pb.input_ids, pb.position_ids, pb.targets, chunk_tokens=5, mask=pb.mask)
+    ref = torch.cat([reference_logprobs(model, t) for t in trajs])
+    assert (lp[pb.mask > 0].detach() - ref).abs().max() < 0.3  # bf16 rounding of ~11-nat log-probs
+    lp[pb.mask > 0].sum().backward()
+    w = model.get_output_embeddings().weight
+    assert w.grad is not None and w.grad.dtype == torch.float32 and w.grad.abs().sum() > 0
+    # the same gradient as an fp32 pass, up to bf16 rounding
+    model2 = copy.deepcopy(tiny.model)
+    lp2, _ = token_logprobs(model2, pb.input_ids, pb.position_ids, pb.targets, chunk_tokens=5, mask=pb.mask)
+    lp2[pb.mask > 0].sum().backward()
+    g1, g2 = w.grad.flatten(), model2.get_output_embeddings().weight.grad.flatten()
+    assert torch.nn.functional.cosine_similarity(g1, g2, dim=0) > 0.99
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_shared_prompt_units_score_like_separate_sequences(tiny, temperature):
+    """A group's responses behind one copy of the prompt (explicit 4-D mask) get the log-probs of
+    the unshared layout, and nothing leaks between responses or across rows."""
+    from conveyor.trainer.batch import group_shared_prompts, unit_length
+
+    trajs = make_trajs(7, group=3, shared_prompts=True)
+    units = group_shared_prompts(trajs, 10_000)
+    assert units == [(0, 1, 2), (3, 4, 5), 6]
+    assert unit_length([trajs[i] for i in units[0]]) == len(trajs[0].prompt_ids) - 1 + sum(
+        1 + len(trajs[i].response_ids) for i in units[0])
+    pb = pack(trajs, torch.arange(7, dtype=torch.float32), [[units[0], 6], [units[1]]])
+    assert pb.attention_mask is not None and pb.attention_mask.shape[:2] == (2, 1)
+    assert pb.indices == [0, 1, 2, 6, 3, 4, 5]
+    shared_len = unit_length([trajs[i] for i in units[0]]) + unit_length([trajs[6]])
+    assert pb.input_ids.shape[1] == shared_len < sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs[:3]) + \
+        len(trajs[6].prompt_ids) + len(trajs[6].response_ids)
+    lp, _ = token_logprobs(tiny.model, pb.input_ids, pb.position_ids, pb.targets, temperature=temperature,
+                           mask=pb.mask, attention_mask=pb.attention_mask, chunk_tokens=4)
+    for s, i in enumerate(pb.indices):
+        got = lp[(pb.seq_index == s) & (pb.mask > 0)]
+        assert torch.allclose(got, reference_logprobs(tiny.model, trajs[i], temperature), atol=1e-5), i
+        # advantages and behaviour log-probs follow their own trajectory
+        assert (pb.advantages[(pb.seq_index == s) & (pb.mask > 0)] == float(i)).all()
+    assert int(pb.mask.sum()) == sum(len(t.response_ids) for t in trajs)
+    # a unit split when it exceeds the row budget; different prompts in one unit are refused
+    split = group_shared_prompts(trajs, unit_length([trajs[0], trajs[1]]))
+    assert split[:2] == [(0, 1), 2]
+    with pytest.raises(ValueError, match="another prompt"):
+        pack(trajs, torch.zeros(7), [[(0, 6)]])
+
+
+@pytest.mark.parametrize("loss", ["decoupled_ppo", "ppo"])
+def test_shared_prompts_train_step_equals_unshared(tiny, loss):
+    trajs = make_trajs(8, group=4, shared_prompts=True)
+    grads, metrics = [], []
+    for share in (True, False):
+        model = copy.deepcopy(tiny.model)
+        tr = Trainer(model, TrainerConfig(lr=1e-3, bf16=False, grad_clip=None, warmup_steps=0, share_prompts=share),
+                     LossConfig(name=loss, behaviour_weight_cap=None))
+        captured = {}
+        orig = tr.optimizer.step
+
+        def step(*a, _orig=orig, _m=model, captured=captured, **k):
+            captured["g"] = torch.cat([p.grad.flatten() for p in _m.parameters() if p.grad is not None]).clone()
+            return _orig(*a, **k)
+
+        tr.optimizer.step = step
+        metrics.append(tr.train_step(trajs))
+        grads.append(captured["g"])
+    assert metrics[0]["train/tokens"] == metrics[1]["train/tokens"]
+    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+    assert math.isclose(metrics[0]["loss/loss"], metrics[1]["loss/loss"], rel_tol=1e-5, abs_tol=1e-7)

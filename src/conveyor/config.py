@@ -144,8 +144,11 @@ class TrainerConfig(_Strict):
     schedule: Literal["constant", "cosine"] = "constant"
     minibatches: int = Field(default=1, ge=1, description="optimiser steps per batch")
     micro_batch_tokens: int = Field(default=4096, ge=16, description="token budget of one packed micro-batch")
-    pack_row_tokens: int = Field(default=512, ge=16, description="tokens per packed row (attention cost grows with the square of a row's length)")
+    pack_row_tokens: int = Field(default=384, ge=16, description="tokens per packed row (attention cost grows with the square of a row's length; 384 measured faster than 512: docs/results/performance.md)")
     logprob_chunk_tokens: int = Field(default=512, ge=1, description="tokens per chunk of the vocabulary projection")
+    share_prompts: bool = Field(
+        default=True, description="pack a group's responses behind one copy of their prompt (exact; the prompt's "
+                                  "transformer work is done once per group; conveyor.trainer.batch)")
     bf16: bool = Field(default=True, description="bf16 autocast for forward/backward (parameters stay fp32)")
     max_nonfinite_in_a_row: int = Field(default=3, ge=1)
     num_threads: int | None = Field(default=None, ge=1, description="trainer intra-op threads (default: auto, see run.threads)")
@@ -154,6 +157,37 @@ class TrainerConfig(_Strict):
         default=False, description="recompute transformer-layer activations in the backward pass: less memory, ~30% more trainer time")
     optimizer_foreach: bool | None = Field(
         default=None, description="AdamW's multi-tensor path (None = torch default); false lowers peak memory")
+    optimizer_fused: bool | None = Field(
+        default=None, description="AdamW's fused kernel (one pass per parameter, no multi-tensor temporaries); "
+                                  "None = on unless optimizer_foreach=true")
+    autocast_weight_cache: bool | None = Field(
+        default=None, description="keep bf16 copies of the weights for the whole autocast region (faster when the "
+                                  "forward is not recomputed); None = on unless activation_checkpointing")
+
+    malloc_mmap_threshold: int | None = Field(
+        default=None, ge=1, le=32 * 2**20,
+        description="bytes; glibc serves allocations this large with their own mmap, so freed tensor memory returns to the OS "
+                    "(stops heap fragmentation raising peak memory; conveyor.memory); None = glibc's dynamic default")
+
+    malloc_trim: bool = Field(
+        default=False, description="return the C heap's free pages to the OS between the phases of an update (glibc "
+                                   "malloc_trim; lowers peak memory when the heap fragments; conveyor.memory)")
+
+    @model_validator(mode="after")
+    def _optimizer_paths(self) -> "TrainerConfig":
+        if self.optimizer_fused and self.optimizer_foreach:
+            raise ValueError("trainer.optimizer_fused and trainer.optimizer_foreach cannot both be true (AdamW takes one path)")
+        return self
+
+    @property
+    def use_fused_optimizer(self) -> bool:
+        """Whether AdamW runs its fused kernel (``optimizer_fused``; auto = unless foreach is asked for)."""
+        return self.optimizer_fused if self.optimizer_fused is not None else not self.optimizer_foreach
+
+    @property
+    def use_autocast_weight_cache(self) -> bool:
+        """Whether bf16 autocast caches weight casts (``autocast_weight_cache``; auto = unless checkpointing)."""
+        return self.autocast_weight_cache if self.autocast_weight_cache is not None else not self.activation_checkpointing
 
 
 class RunConfig(_Strict):

@@ -5,6 +5,14 @@ sequence, which transformers' mask utilities turn into a block-diagonal causal m
 when no attention mask is passed). All per-token tensors are aligned with the *targets*: position
 ``j`` holds what is needed to score token ``input_ids[j + 1]``, so the response-token mask is zero
 on prompt tokens and at sequence boundaries.
+
+**Shared prompts.** The responses of a GRPO group share one prompt. A *unit* (a tuple of
+trajectory indices with identical ``prompt_ids``) is laid out as ``prompt[:-1]`` once, then for each
+response ``[prompt[-1]] + response`` with position ids continuing the prompt's; an explicit
+``[R, 1, L, L]`` attention mask lets each response attend to the shared prefix and to itself only.
+Every log-prob equals that of the unshared layout (one copy of the last prompt token per response
+keeps targets aligned), while the prompt's transformer work is done once per group instead of once
+per response: 32 x ~110-token sequences in groups of 4 shrink from 3.5 k to 2.1 k tokens.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ class PackedBatch:
         old_logprobs: ``[R, L]`` float32, training-side log-probs of the target token under the
             version that sampled it, where partial-rollout sync recorded one
             (``trajectory.metadata["old_logprobs"]``); NaN elsewhere.
+        attention_mask: ``[R, 1, L, L]`` bool (True = may attend) when a row holds a shared-prompt
+            unit; None otherwise (block-diagonal attention from ``position_ids``).
     """
 
     input_ids: torch.Tensor
@@ -48,6 +58,7 @@ class PackedBatch:
     seq_index: torch.Tensor
     indices: list[int]
     old_logprobs: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -55,48 +66,121 @@ class PackedBatch:
         return int(self.mask.sum().item())
 
 
-def _pack_row(trajectories: list[Trajectory], advantages: torch.Tensor, indices: list[int], s0: int) -> dict[str, list]:
-    row: dict[str, list] = {k: [] for k in ("ids", "pos", "tgt", "msk", "blp", "ver", "adv", "seq", "old")}
-    for s, i in enumerate(indices, start=s0):
-        t = trajectories[i]
-        r = len(t.response_ids)
-        if not (len(t.behaviour_logprobs) == len(t.versions) == r):
-            raise ValueError(
-                f"trajectory {t.sample.id}: response_ids ({r}), behaviour_logprobs "
-                f"({len(t.behaviour_logprobs)}) and versions ({len(t.versions)}) differ in length"
-            )
-        p = len(t.prompt_ids)
-        seq_ids = list(t.prompt_ids) + list(t.response_ids)
-        n = len(seq_ids)
-        row["ids"] += seq_ids
+def _check_lengths(t: Trajectory) -> None:
+    r = len(t.response_ids)
+    if not (len(t.behaviour_logprobs) == len(t.versions) == r):
+        raise ValueError(
+            f"trajectory {t.sample.id}: response_ids ({r}), behaviour_logprobs "
+            f"({len(t.behaviour_logprobs)}) and versions ({len(t.versions)}) differ in length"
+        )
+    if t.action_mask is not None and len(t.action_mask) != r:
+        raise ValueError(f"trajectory {t.sample.id}: action_mask ({len(t.action_mask)}) and response_ids ({r}) differ in length")
+
+
+def _append_segment(row: dict[str, list], t: Trajectory, a: float, s: int, seg: int, attend: int,
+                    head: list[int], pos0: int) -> None:
+    """Append ``head + response`` of ``t``; ``head``'s last token predicts the first response token."""
+    r = len(t.response_ids)
+    p = len(head)
+    seq_ids = list(head) + list(t.response_ids)
+    n = len(seq_ids)
+    row["ids"] += seq_ids
+    row["pos"] += list(range(pos0, pos0 + n))
+    # target at j is seq_ids[j+1]; response token k sits at j = p + k - 1
+    row["tgt"] += seq_ids[1:] + [0]
+    m, b, v, o = [0.0] * n, [0.0] * n, [-1] * n, [math.nan] * n
+    old = t.metadata.get("old_logprobs") or ()
+    act = t.action_mask
+    for k in range(r):
+        m[p + k - 1] = 1.0 if act is None or act[k] else 0.0  # observations carry no loss
+        b[p + k - 1] = float(t.behaviour_logprobs[k])
+        v[p + k - 1] = int(t.versions[k])
+        if k < len(old):
+            o[p + k - 1] = float(old[k])
+    row["msk"] += m
+    row["blp"] += b
+    row["ver"] += v
+    row["old"] += o
+    row["adv"] += [a * x for x in m]
+    row["seq"] += [s] * n
+    row["seg"] += [seg] * n
+    row["att"] += [attend] * n
+
+
+def _pack_row(trajectories: list[Trajectory], advantages: torch.Tensor, items: list, s0: int) -> dict[str, list]:
+    row: dict[str, list] = {k: [] for k in ("ids", "pos", "tgt", "msk", "blp", "ver", "adv", "seq", "old", "seg", "att")}
+    s, seg = s0, 0
+    for item in items:
+        members = list(item) if isinstance(item, tuple) else [item]
+        for i in members:
+            _check_lengths(trajectories[i])
+        if len(members) == 1:
+            t = trajectories[members[0]]
+            _append_segment(row, t, float(advantages[members[0]]), s, seg, -1, list(t.prompt_ids), 0)
+            s, seg = s + 1, seg + 1
+            continue
+        prompt = list(trajectories[members[0]].prompt_ids)
+        for i in members[1:]:
+            if list(trajectories[i].prompt_ids) != prompt:
+                raise ValueError(f"pack: trajectories {members} share a unit but {trajectories[i].sample.id} has another prompt")
+        if not prompt:
+            raise ValueError(f"pack: trajectory {trajectories[members[0]].sample.id} has an empty prompt")
+        prefix_seg = seg
+        n = len(prompt) - 1  # the shared prefix: every prompt token but the last, never scored
+        row["ids"] += prompt[:-1]
         row["pos"] += list(range(n))
-        # target at j is seq_ids[j+1]; response token k sits at j = p + k - 1
-        row["tgt"] += seq_ids[1:] + [0]
-        m, b, v, o = [0.0] * n, [0.0] * n, [-1] * n, [math.nan] * n
-        old = t.metadata.get("old_logprobs") or ()
-        act = t.action_mask
-        if act is not None and len(act) != r:
-            raise ValueError(f"trajectory {t.sample.id}: action_mask ({len(act)}) and response_ids ({r}) differ in length")
-        for k in range(r):
-            m[p + k - 1] = 1.0 if act is None or act[k] else 0.0  # observations carry no loss
-            b[p + k - 1] = float(t.behaviour_logprobs[k])
-            v[p + k - 1] = int(t.versions[k])
-            if k < len(old):
-                o[p + k - 1] = float(old[k])
-        row["msk"] += m
-        row["blp"] += b
-        row["ver"] += v
-        row["old"] += o
-        a = float(advantages[i])
-        row["adv"] += [a * x for x in m]
+        row["tgt"] += prompt[1:]
+        row["msk"] += [0.0] * n
+        row["blp"] += [0.0] * n
+        row["ver"] += [-1] * n
+        row["old"] += [math.nan] * n
+        row["adv"] += [0.0] * n
         row["seq"] += [s] * n
+        row["seg"] += [prefix_seg] * n
+        row["att"] += [-1] * n
+        seg += 1
+        for i in members:
+            _append_segment(row, trajectories[i], float(advantages[i]), s, seg, prefix_seg, prompt[-1:], n)
+            s, seg = s + 1, seg + 1
     return row
 
 
-def pack(trajectories: list[Trajectory], advantages: torch.Tensor, rows: list[list[int]]) -> PackedBatch:
+def group_shared_prompts(trajectories: list[Trajectory], max_tokens: int) -> list[int | tuple[int, ...]]:
+    """Units for :func:`pack`: trajectories with identical ``prompt_ids`` grouped into tuples (in
+    order of first appearance), each unit at most ``max_tokens`` long (a larger group is split
+    into consecutive units); a unit of one trajectory is a plain ``int``.
+
+    Returns:
+        Units covering every index ``0..N-1`` exactly once.
+    """
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, t in enumerate(trajectories):
+        by_prompt.setdefault(tuple(t.prompt_ids), []).append(i)
+    units: list[int | tuple[int, ...]] = []
+    for prompt, members in by_prompt.items():
+        cur: list[int] = []
+        for i in members:
+            if cur and unit_length([trajectories[k] for k in cur + [i]]) > max_tokens:
+                units.append(tuple(cur) if len(cur) > 1 else cur[0])
+                cur = []
+            cur.append(i)
+        units.append(tuple(cur) if len(cur) > 1 else cur[0])
+    return units
+
+
+def unit_length(members: list[Trajectory]) -> int:
+    """Tokens of a unit in a packed row: ``P + R`` alone, ``(P - 1) + sum(1 + R_i)`` shared."""
+    if len(members) == 1:
+        return len(members[0].prompt_ids) + len(members[0].response_ids)
+    return len(members[0].prompt_ids) - 1 + sum(1 + len(t.response_ids) for t in members)
+
+
+def pack(trajectories: list[Trajectory], advantages: torch.Tensor, rows: list[list]) -> PackedBatch:
     """Pack trajectories into a ``[R, L]`` micro-batch: row ``r`` concatenates
     ``trajectories[i] for i in rows[r]``; shorter rows are padded at the end with a separate
     dummy segment (position ids restarting at 0, mask 0), so padding never attends to real tokens.
+    An item of a row may be a tuple of indices: a shared-prompt unit (module docstring,
+    :func:`group_shared_prompts`); the batch then carries an explicit ``attention_mask``.
 
     Args:
         trajectories: The step's batch.
@@ -105,27 +189,41 @@ def pack(trajectories: list[Trajectory], advantages: torch.Tensor, rows: list[li
         rows: Which trajectories go into each row (a list of ints is taken as a single row).
 
     Raises:
-        ValueError: a trajectory whose per-token lists disagree in length, or no rows.
+        ValueError: a trajectory whose per-token lists disagree in length, a unit whose prompts
+            differ, or no rows.
     """
-    if rows and isinstance(rows[0], int):
+    if rows and isinstance(rows[0], (int, tuple)):
         rows = [rows]  # type: ignore[list-item]
     if not rows:
         raise ValueError("pack: no rows")
     built = []
     s0 = 0
+    flat: list[int] = []
     for idx in rows:
         built.append(_pack_row(trajectories, advantages, idx, s0))
-        s0 += len(idx)
+        members = [i for item in idx for i in (item if isinstance(item, tuple) else (item,))]
+        flat += members
+        s0 += len(members)
+    shared = any(isinstance(item, tuple) and len(item) > 1 for idx in rows for item in idx)
     L = max(len(r["ids"]) for r in built)
-    pad_vals = {"ids": 0, "tgt": 0, "msk": 0.0, "blp": 0.0, "ver": -1, "adv": 0.0, "seq": -1, "old": math.nan}
+    pad_vals = {"ids": 0, "tgt": 0, "msk": 0.0, "blp": 0.0, "ver": -1, "adv": 0.0, "seq": -1, "old": math.nan, "att": -1}
     for r in built:
         n_pad = L - len(r["ids"])
         for k, v in pad_vals.items():
             r[k] += [v] * n_pad
         r["pos"] += list(range(n_pad))
+        r["seg"] += [max(r["seg"], default=-1) + 1] * n_pad  # padding: a segment of its own
 
     def mat(key, dtype):
         return torch.tensor([r[key] for r in built], dtype=dtype)
+
+    attention_mask = None
+    if shared:
+        seg, att = mat("seg", torch.long), mat("att", torch.long)
+        causal = torch.ones(L, L, dtype=torch.bool).tril()
+        same = seg[:, :, None] == seg[:, None, :]
+        prefix = att[:, :, None] == seg[:, None, :]
+        attention_mask = (causal & (same | prefix)).unsqueeze(1)
 
     return PackedBatch(
         input_ids=mat("ids", torch.long),
@@ -136,8 +234,9 @@ def pack(trajectories: list[Trajectory], advantages: torch.Tensor, rows: list[li
         versions=mat("ver", torch.long),
         advantages=mat("adv", torch.float32),
         seq_index=mat("seq", torch.long),
-        indices=[i for idx in rows for i in idx],
+        indices=flat,
         old_logprobs=mat("old", torch.float32),
+        attention_mask=attention_mask,
     )
 
 

@@ -19,10 +19,20 @@ def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def _chunk_entropy(hidden: torch.Tensor, weight: torch.Tensor, inv_t: float) -> torch.Tensor:
+def _chunk_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                            inv_t: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``targets`` and the entropy (detached) from one vocabulary projection.
+
+    ``H = lse - sum_v p_v z_v`` with ``p = softmax(z)``, ``z = logits / T``: the same value as
+    ``-(p * log p).sum()`` without a second ``[chunk, V]`` log-softmax copy or a second projection.
+    """
     logits = F.linear(hidden, weight).float() * inv_t
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    with torch.no_grad():
+        z, m = logits.detach(), lse.detach()
+        ent = m - torch.linalg.vecdot(torch.exp(z - m.unsqueeze(-1)), z)
+    return lp, ent
 
 
 def _body_and_head(model: torch.nn.Module):
@@ -43,6 +53,7 @@ def token_logprobs(
     chunk_tokens: int = 512,
     with_entropy: bool = False,
     mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log pi(targets[j] | input_ids[:j+1])`` for every position of a packed row.
 
@@ -61,6 +72,9 @@ def token_logprobs(
             computed without gradient.
         mask: Optional ``[R, L]``; only positions with mask > 0 are projected (others get 0),
             which skips the vocabulary projection of prompt tokens.
+        attention_mask: Optional ``[R, 1, L, L]`` bool, True where a position may attend (packed
+            rows with shared prompts, :mod:`conveyor.trainer.batch`); None = causal attention
+            within each sequence, sequences told apart by ``position_ids``.
 
     Returns:
         ``(logprobs [R, L] float32, entropy [R, L] float32 or None)``. Gradients flow into
@@ -78,24 +92,31 @@ def token_logprobs(
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     body, head = _body_and_head(model)
     R, L = input_ids.shape
-    hidden = body(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    if attention_mask is not None and attention_mask.shape != (R, 1, L, L):
+        raise ValueError(f"attention_mask must be [R, 1, L, L] = {[R, 1, L, L]}, got {list(attention_mask.shape)}")
+    hidden = body(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     hidden = hidden.reshape(R * L, -1)
     sel = torch.arange(R * L) if mask is None else mask.reshape(-1).nonzero().squeeze(-1)
     h = hidden.index_select(0, sel)
     tg = targets.reshape(-1).index_select(0, sel)
     inv_t = 1.0 / temperature
+    weight = head.weight
+    if hidden.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        # one cast of the projection for all chunks (autocast without its weight cache would cast the
+        # [V, d] matrix again in every chunk and in every recomputation); gradients flow through it
+        weight = weight.to(torch.get_autocast_dtype("cpu"))
     parts = []
     ents = []
     grad = torch.is_grad_enabled()
     for s in range(0, h.shape[0], chunk_tokens):
         hs, ts = h[s : s + chunk_tokens], tg[s : s + chunk_tokens]
-        if grad:
-            parts.append(checkpoint(_chunk_logprobs, hs, head.weight, ts, inv_t, use_reentrant=False))
-        else:
-            parts.append(_chunk_logprobs(hs, head.weight, ts, inv_t))
+        fn = _chunk_logprobs_entropy if with_entropy else _chunk_logprobs
+        out_c = checkpoint(fn, hs, weight, ts, inv_t, use_reentrant=False) if grad else fn(hs, weight, ts, inv_t)
         if with_entropy:
-            with torch.no_grad():
-                ents.append(_chunk_entropy(hs.detach(), head.weight.detach(), inv_t))
+            parts.append(out_c[0])
+            ents.append(out_c[1])
+        else:
+            parts.append(out_c)
     lp_sel = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
     out = torch.zeros(R * L, dtype=torch.float32, device=hidden.device).index_put((sel,), lp_sel)
     ent = None

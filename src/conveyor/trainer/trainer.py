@@ -17,11 +17,12 @@ from contextlib import nullcontext
 import torch
 
 from conveyor.config import LossConfig, ProximalConfig, TrainerConfig
+from conveyor.memory import release_free_memory, set_malloc_mmap_threshold
 from conveyor.sync import WeightUpdate
 from conveyor.trainer import advantages as adv_lib
 from conveyor.trainer import corrections as corr_lib
 from conveyor.trainer import losses as loss_lib
-from conveyor.trainer.batch import PackedBatch, pack, plan_micro_batches
+from conveyor.trainer.batch import PackedBatch, group_shared_prompts, pack, plan_micro_batches, unit_length
 from conveyor.trainer.logprobs import token_logprobs
 from conveyor.trainer.proximal import build_strategy
 from conveyor.types import Trajectory
@@ -112,9 +113,14 @@ class Trainer:
             self.ref_model = copy.deepcopy(model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
+        if trainer_cfg.malloc_mmap_threshold is not None:
+            set_malloc_mmap_threshold(trainer_cfg.malloc_mmap_threshold)
         params = [p for p in model.parameters() if p.requires_grad]
+        # fused: one kernel per parameter, no multi-tensor temporaries (0.1 s vs 0.9 s for the
+        # for-loop path on SmolLM2, 2 CPU threads; docs/results/performance.md)
+        fused = trainer_cfg.use_fused_optimizer
         self.optimizer = torch.optim.AdamW(params, lr=trainer_cfg.lr, betas=trainer_cfg.betas, weight_decay=trainer_cfg.weight_decay,
-                                           foreach=trainer_cfg.optimizer_foreach)
+                                           foreach=None if fused else trainer_cfg.optimizer_foreach, fused=fused or None)
         if trainer_cfg.activation_checkpointing:
             if not hasattr(model, "gradient_checkpointing_enable"):
                 raise ValueError("trainer.activation_checkpointing needs a transformers model (gradient_checkpointing_enable)")
@@ -134,13 +140,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers
     def _autocast(self):
-        return torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.bf16 else nullcontext()
+        # Without the weight cache every autocast matmul casts its fp32 weight afresh: under activation
+        # checkpointing the cache would hold a bf16 copy of all weights (~270 MB for SmolLM2) through
+        # the recomputation for little gain.
+        if not self.cfg.bf16:
+            return nullcontext()
+        return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=self.cfg.use_autocast_weight_cache)
 
     def _logprobs(self, model, mb: PackedBatch, with_entropy: bool = False):
         with self._autocast():
             return token_logprobs(
                 model, mb.input_ids, mb.position_ids, mb.targets, temperature=self.temperature,
                 chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy, mask=mb.mask,
+                attention_mask=mb.attention_mask,
             )
 
     def weight_update(self) -> WeightUpdate:
@@ -167,12 +179,19 @@ class Trainer:
             raise ValueError("train_step: empty batch")
         t0 = time.perf_counter()
         cfg, lc = self.cfg, self.loss_cfg
+        trim = release_free_memory if cfg.malloc_trim else (lambda: None)
+        self.optimizer.zero_grad(set_to_none=True)  # the previous step's gradients are not needed any more
+        trim()
         self.model.train()
         metrics: dict[str, float] = staleness_metrics(trajectories, self.version)
         advantages = compute_advantages(trajectories, lc.advantage)
-        lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
+        if cfg.share_prompts:  # a group's prompt once per row (batch.py, "Shared prompts")
+            units = group_shared_prompts(trajectories, min(cfg.pack_row_tokens, cfg.micro_batch_tokens))
+        else:
+            units = list(range(len(trajectories)))
+        lengths = [unit_length([trajectories[i] for i in (u if isinstance(u, tuple) else (u,))]) for u in units]
         plan = plan_micro_batches(lengths, cfg.micro_batch_tokens, cfg.pack_row_tokens)
-        mbs = [pack(trajectories, advantages, rows) for rows in plan]
+        mbs = [pack(trajectories, advantages, [[units[k] for k in row] for row in rows]) for rows in plan]
 
         # proximal log-probs: the parameters just before the update (AReaL eq. 5)
         prox: list[torch.Tensor | None] = [None] * len(mbs)
@@ -268,6 +287,8 @@ class Trainer:
                     finite = False
                     break
                 loss.backward()
+                del loss, lp
+                trim()  # this micro-batch's activations are freed
                 outs.append(out)
             gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf"))
             if not finite or not torch.isfinite(gn):

@@ -1,0 +1,91 @@
+"""Host-memory controls of the training process.
+
+PyTorch's CPU allocator takes tensor memory from the C library's ``malloc``. glibc serves large
+requests with ``mmap`` (returned to the OS on ``free``) only above a *dynamic* threshold that
+rises to the size of every mmapped block freed, up to 32 MiB; after a few training steps most
+activation and gradient tensors therefore come from the heap arenas, whose freed space is kept and
+fragments, and the resident set grows past the live tensors (measured: 4.06 GB peak for a
+SmolLM2-135M update whose live tensors need ~2.7 GB; docs/results/performance.md). Fixing the
+threshold (``mallopt(M_MMAP_THRESHOLD)``, which also disables the dynamic adjustment) keeps every
+large tensor in its own mapping, so freed memory goes back to the OS at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger(__name__)
+
+_M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
+_MAX_THRESHOLD = 32 * 2**20  # glibc's HEAP_MAX / 2 on 64-bit: larger values are refused
+
+
+def set_malloc_mmap_threshold(nbytes: int) -> bool:
+    """Serve allocations of ``nbytes`` (bytes) or more with their own ``mmap`` (glibc only).
+
+    Process-wide and irreversible for the process: the fixed threshold replaces glibc's dynamic
+    one. Costs page faults on each new large allocation (pages are zeroed by the kernel); buys a
+    resident set that follows the live tensors.
+
+    Args:
+        nbytes: Threshold in bytes, 1 .. 32 MiB.
+
+    Returns:
+        True when set; False on a C library without ``mallopt`` (macOS, musl): a warning is logged
+        and nothing changes.
+
+    Raises:
+        ValueError: ``nbytes`` outside 1 .. 32 MiB.
+    """
+    if not 1 <= nbytes <= _MAX_THRESHOLD:
+        raise ValueError(f"trainer.malloc_mmap_threshold: {nbytes} bytes is outside 1 .. {_MAX_THRESHOLD} (32 MiB)")
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        log.warning("trainer.malloc_mmap_threshold: this C library has no mallopt (not glibc); ignored")
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
+    if not ok:
+        log.warning("trainer.malloc_mmap_threshold: mallopt refused %d bytes; ignored", nbytes)
+    return ok
+
+
+def release_free_memory() -> bool:
+    """Return the C heap's free pages to the OS (glibc ``malloc_trim(0)``; a no-op elsewhere).
+
+    Cheap (one pass over the arenas' free lists); called between the phases of a policy update so
+    that memory freed by one phase (activations, the previous step's gradients) does not stay
+    resident, fragmented, under the next. Returns True when glibc released something.
+    """
+    global _trim
+    if _trim is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _trim = libc.malloc_trim
+            _trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _trim = False
+    return bool(_trim(0)) if _trim else False
+
+
+_trim = None
+
+
+def active_allocator() -> str:
+    """Which malloc serves this process: ``"tcmalloc"``, ``"jemalloc"`` (preloaded, e.g. with
+    ``LD_PRELOAD``), or ``"system"``; read from ``/proc/self/maps`` (``"system"`` where that file
+    does not exist)."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return "system"
+    for name in ("tcmalloc", "jemalloc"):
+        if f"lib{name}" in maps:
+            return name
+    return "system"
