@@ -2,14 +2,18 @@
 the behaviour ratio, decoupled PPO + recompute, snapshot, ewma, interpolate}.
 
 Usage: python benchmarks/staleness_robustness.py [--model smollm2-135m-instruct] [--steps 15]
-       [--etas 0,4,8] [--quick] [--out DIR]
+       [--etas 0,4,8] [--batch-size 3] [--group-size 8] [--heldout 40] [--quick] [--out DIR]
+
+Recorded run: ``--steps 12`` (docs/results/proximal.md, "Staleness robustness").
 
 Task: a policy-improvement signal that is visible on a 2-core CPU within minutes -- the format
 reward (``reward.fn=format``: 1 when the response ends with "Answer: <number>") on MAWPS
 singleop prompts; SmolLM2 follows that format ~3% of the time before training and learns it in
 ~10 updates at lr 3e-5 (see docs/results/training.md, run r3). Generation is kept short
 (``rollout.max_new_tokens=32``) and the trainer slow relative to it (one thread), so the engine
-runs ahead and the realised staleness reaches eta (reported per cell).
+runs ahead up to eta; the realised staleness is reported per cell (in short runs it stays below
+large bounds while the pipeline fills). After training, the final policy is scored greedily on
+``--heldout`` held-out prompts (format rate, pass@1).
 
 Methods (MISSION.md sections 1-2):
 - ``ppo``: ``loss.name=ppo``, ratio ``pi_theta / pi_behav`` clipped (no proximal policy);

@@ -163,12 +163,10 @@ class TrainerConfig(_Strict):
     autocast_weight_cache: bool | None = Field(
         default=None, description="keep bf16 copies of the weights for the whole autocast region (faster when the "
                                   "forward is not recomputed); None = on unless activation_checkpointing")
-
     malloc_mmap_threshold: int | None = Field(
         default=None, ge=1, le=32 * 2**20,
         description="bytes; glibc serves allocations this large with their own mmap, so freed tensor memory returns to the OS "
                     "(stops heap fragmentation raising peak memory; conveyor.memory); None = glibc's dynamic default")
-
     malloc_trim: bool = Field(
         default=False, description="return the C heap's free pages to the OS between the phases of an update (glibc "
                                    "malloc_trim; lowers peak memory when the heap fragments; conveyor.memory)")
