@@ -172,7 +172,7 @@ class TrainerConfig(_Strict):
                                    "malloc_trim; lowers peak memory when the heap fragments; conveyor.memory)")
 
     @model_validator(mode="after")
-    def _optimizer_paths(self) -> "TrainerConfig":
+    def _optimizer_paths(self) -> TrainerConfig:
         if self.optimizer_fused and self.optimizer_foreach:
             raise ValueError("trainer.optimizer_fused and trainer.optimizer_foreach cannot both be true (AdamW takes one path)")
         return self

@@ -157,7 +157,7 @@ def group_shared_prompts(trajectories: list[Trajectory], max_tokens: int) -> lis
     for i, t in enumerate(trajectories):
         by_prompt.setdefault(tuple(t.prompt_ids), []).append(i)
     units: list[int | tuple[int, ...]] = []
-    for prompt, members in by_prompt.items():
+    for members in by_prompt.values():
         cur: list[int] = []
         for i in members:
             if cur and unit_length([trajectories[k] for k in cur + [i]]) > max_tokens:

@@ -22,7 +22,13 @@ from conveyor.sync import WeightUpdate
 from conveyor.trainer import advantages as adv_lib
 from conveyor.trainer import corrections as corr_lib
 from conveyor.trainer import losses as loss_lib
-from conveyor.trainer.batch import PackedBatch, group_shared_prompts, pack, plan_micro_batches, unit_length
+from conveyor.trainer.batch import (
+    PackedBatch,
+    group_shared_prompts,
+    pack,
+    plan_micro_batches,
+    unit_length,
+)
 from conveyor.trainer.logprobs import token_logprobs
 from conveyor.trainer.proximal import build_strategy
 from conveyor.types import Trajectory
@@ -113,6 +119,12 @@ class Trainer:
             self.ref_model = copy.deepcopy(model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
+        # shared-prompt rows need an explicit 4-D attention mask, which sdpa and eager attention take
+        # (flash-attention kernels do not): other implementations pack every response separately
+        attn = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
+        self._mask_capable = attn in ("sdpa", "eager")
+        if trainer_cfg.share_prompts and not self._mask_capable:
+            log.info("trainer.share_prompts: %s attention takes no 4-D mask; responses are packed separately", attn)
         if trainer_cfg.malloc_mmap_threshold is not None:
             set_malloc_mmap_threshold(trainer_cfg.malloc_mmap_threshold)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -185,7 +197,7 @@ class Trainer:
         self.model.train()
         metrics: dict[str, float] = staleness_metrics(trajectories, self.version)
         advantages = compute_advantages(trajectories, lc.advantage)
-        if cfg.share_prompts:  # a group's prompt once per row (batch.py, "Shared prompts")
+        if cfg.share_prompts and self._mask_capable:  # a group's prompt once per row (batch.py, "Shared prompts")
             units = group_shared_prompts(trajectories, min(cfg.pack_row_tokens, cfg.micro_batch_tokens))
         else:
             units = list(range(len(trajectories)))
