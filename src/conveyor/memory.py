@@ -20,6 +20,21 @@ log = logging.getLogger(__name__)
 
 _M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
 _MAX_THRESHOLD = 32 * 2**20  # glibc's HEAP_MAX / 2 on 64-bit: larger values are refused
+_UNSET = object()
+_fns: dict[str, object] = {}
+
+
+def _libc_fn(name: str, argtypes: list):
+    """glibc's ``name`` (cached), or None where the C library has no such function."""
+    fn = _fns.get(name, _UNSET)
+    if fn is _UNSET:
+        try:
+            fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+            fn.argtypes = argtypes
+        except (OSError, AttributeError):
+            fn = None
+        _fns[name] = fn
+    return fn
 
 
 def set_malloc_mmap_threshold(nbytes: int) -> bool:
@@ -41,14 +56,10 @@ def set_malloc_mmap_threshold(nbytes: int) -> bool:
     """
     if not 1 <= nbytes <= _MAX_THRESHOLD:
         raise ValueError(f"trainer.malloc_mmap_threshold: {nbytes} bytes is outside 1 .. {_MAX_THRESHOLD} (32 MiB)")
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _libc_fn("mallopt", [ctypes.c_int, ctypes.c_int])
+    if mallopt is None:
         log.warning("trainer.malloc_mmap_threshold: this C library has no mallopt (not glibc); ignored")
         return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = bool(mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
     if not ok:
         log.warning("trainer.malloc_mmap_threshold: mallopt refused %d bytes; ignored", nbytes)
@@ -62,18 +73,8 @@ def release_free_memory() -> bool:
     that memory freed by one phase (activations, the previous step's gradients) does not stay
     resident, fragmented, under the next. Returns True when glibc released something.
     """
-    global _trim
-    if _trim is None:
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _trim = libc.malloc_trim
-            _trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _trim = False
-    return bool(_trim(0)) if _trim else False
-
-
-_trim = None
+    trim = _libc_fn("malloc_trim", [ctypes.c_size_t])
+    return bool(trim(0)) if trim is not None else False
 
 
 def active_allocator() -> str:

@@ -107,11 +107,16 @@ def _append_segment(row: dict[str, list], t: Trajectory, a: float, s: int, seg: 
     row["att"] += [attend] * n
 
 
+def unit_members(item: int | tuple[int, ...]) -> tuple[int, ...]:
+    """The trajectory indices of a row item: a plain index or a shared-prompt unit (a tuple)."""
+    return item if isinstance(item, tuple) else (item,)
+
+
 def _pack_row(trajectories: list[Trajectory], advantages: torch.Tensor, items: list, s0: int) -> dict[str, list]:
     row: dict[str, list] = {k: [] for k in ("ids", "pos", "tgt", "msk", "blp", "ver", "adv", "seq", "old", "seg", "att")}
     s, seg = s0, 0
     for item in items:
-        members = list(item) if isinstance(item, tuple) else [item]
+        members = unit_members(item)
         for i in members:
             _check_lengths(trajectories[i])
         if len(members) == 1:
@@ -158,12 +163,16 @@ def group_shared_prompts(trajectories: list[Trajectory], max_tokens: int) -> lis
         by_prompt.setdefault(tuple(t.prompt_ids), []).append(i)
     units: list[int | tuple[int, ...]] = []
     for members in by_prompt.values():
+        p = len(trajectories[members[0]].prompt_ids)
         cur: list[int] = []
+        shared = 0  # unit_length of cur once shared: (p - 1) + sum(1 + R_i)
         for i in members:
-            if cur and unit_length([trajectories[k] for k in cur + [i]]) > max_tokens:
+            add = 1 + len(trajectories[i].response_ids)
+            if cur and p - 1 + shared + add > max_tokens:
                 units.append(tuple(cur) if len(cur) > 1 else cur[0])
-                cur = []
+                cur, shared = [], 0
             cur.append(i)
+            shared += add
         units.append(tuple(cur) if len(cur) > 1 else cur[0])
     return units
 
@@ -201,7 +210,7 @@ def pack(trajectories: list[Trajectory], advantages: torch.Tensor, rows: list[li
     flat: list[int] = []
     for idx in rows:
         built.append(_pack_row(trajectories, advantages, idx, s0))
-        members = [i for item in idx for i in (item if isinstance(item, tuple) else (item,))]
+        members = [i for item in idx for i in unit_members(item)]
         flat += members
         s0 += len(members)
     shared = any(isinstance(item, tuple) and len(item) > 1 for idx in rows for item in idx)

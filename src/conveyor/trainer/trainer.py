@@ -28,6 +28,7 @@ from conveyor.trainer.batch import (
     pack,
     plan_micro_batches,
     unit_length,
+    unit_members,
 )
 from conveyor.trainer.logprobs import token_logprobs
 from conveyor.trainer.proximal import build_strategy
@@ -201,7 +202,7 @@ class Trainer:
             units = group_shared_prompts(trajectories, min(cfg.pack_row_tokens, cfg.micro_batch_tokens))
         else:
             units = list(range(len(trajectories)))
-        lengths = [unit_length([trajectories[i] for i in (u if isinstance(u, tuple) else (u,))]) for u in units]
+        lengths = [unit_length([trajectories[i] for i in unit_members(u)]) for u in units]
         plan = plan_micro_batches(lengths, cfg.micro_batch_tokens, cfg.pack_row_tokens)
         mbs = [pack(trajectories, advantages, [[units[k] for k in row] for row in rows]) for rows in plan]
 
