@@ -90,3 +90,38 @@ def test_staleness_robustness_benchmark_quick(tmp_path):
     assert cells[(2, "snapshot")]["discrepancy_keep_frac"] is not None
     assert all(0.0 <= c["heldout_format_rate"] <= 1.0 for c in cells.values())  # the final policy was evaluated
     assert (tmp_path / "st" / "curves.png").is_file()
+
+
+def test_behaviour_weight_benchmark_quick():
+    """Issue 10 section 1 on the tiny model: with sampling-mask replay the behaviour weight is 1
+    and every token kept for every setting; without it (same batches) truncation down-weights
+    every token by its kept mass."""
+    r = _run("behaviour_weight.py", "--compare")
+    cells = {(c["top_p"], c["top_k"]): c for c in r["cells"]}
+    assert set(cells) == {(p, k) for p in (1.0, 0.5) for k in (0, 20)}
+    for (p, k), c in cells.items():
+        plain = p == 1.0 and k == 0
+        assert c["replay"] and c["tokens"] > 0 and (c["support_mean"] == 0) == plain
+        assert abs(c["weight_mean"] - 1.0) < 0.02 and c["keep_frac"] >= 0.98, c
+        old = c["without_replay_same_batches"]
+        if plain:
+            assert old["weight_mean"] == pytest.approx(c["weight_mean"], abs=1e-3)
+        else:  # the old defect: pi_trainer / pi_behav = kept mass < 1
+            assert old["weight_mean"] < 0.9 and old["keep_frac"] < 0.5, c
+    assert cells[(1.0, 20)]["support_max"] == 20
+
+
+def test_chaos_quick(tmp_path):
+    """The chaos suite's quick mode (3 kill -9 + resume, damaged checkpoints, full disk, 100
+    reward faults, non-finite losses): every row passes, and the audit would catch a defect
+    (tests/test_chaos_audit.py breaks the logs on purpose)."""
+    out = tmp_path / "chaos.json"
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--quick", "--json", str(out)],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    rows = json.loads(out.read_text()) if out.is_file() else []
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    names = " ".join(r["name"] for r in rows)
+    for part in ("kill -9 x 3", "truncated newest checkpoint", "disk full", "100 injected reward faults", "non-finite"):
+        assert part in names, names
+    assert all(r["ok"] and not r["problems"] for r in rows)

@@ -98,3 +98,20 @@ def test_runtime_proximal_methods_refuse_tool_episodes():
     with pytest.raises(ConfigError, match="rollout.tool"):
         load_config(None, ["proximal.method=partial_sync", "rollout.tool=calculator"])
     assert load_config(None, ["proximal.method=partial_sync", "rollout.tool=none"]).proximal.method == "partial_sync"
+
+
+def test_settings_that_can_never_learn_are_refused():
+    # greedy groups: identical responses, equal rewards, every advantage 0
+    with pytest.raises(ConfigError,
+                       match=r"rollout\.temperature=0 \(greedy\) with rollout\.group_size=8"):
+        load_config(None, ["rollout.temperature=0"])
+    # a group of one under GRPO is its own mean: advantage 0 at any temperature
+    with pytest.raises(ConfigError, match=r"loss\.advantage=dr_grpo with rollout\.group_size=1"):
+        load_config(None, ["rollout.group_size=1", "loss.advantage=dr_grpo"])
+    # one greedy response per prompt with the batch-mean baseline can still learn: allowed, warned
+    cfg = load_config(None, ["rollout.temperature=0", "rollout.group_size=1",
+                             "loss.advantage=reinforce"])
+    from conveyor.preflight import config_warnings
+
+    assert any("greedy" in w for w in config_warnings(cfg))
+    assert load_config(None, ["rollout.temperature=0.01"]).rollout.temperature == 0.01

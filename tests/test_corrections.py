@@ -132,6 +132,19 @@ def test_length_trap_product_vs_geometric_mean():
     assert w_geo.sum() == n  # geometric mean 1.1: kept
 
 
+@pytest.mark.parametrize(("n", "token_log_ratio", "kept"), [
+    (40, 1.0, False),     # issue 10: geometric mean e = 2.72 > 2 (was kept: sum clamped to 20)
+    (400, -0.8, False),   # e^-0.8 = 0.449 < 0.5, long
+    (400, 0.6, True),     # e^0.6 = 1.82, long: kept
+    (28, 1.0, False),     # short enough that the old clamp did not bite
+])
+def test_geo_mask_rejects_long_mismatched_sequences(n, token_log_ratio, kept):
+    prox = torch.full((1, n), token_log_ratio)
+    w, _ = C.mismatch_weights(prox, torch.zeros(1, n), torch.ones(1, n), method="geo_mask",
+                              low=0.5, high=2.0)
+    assert w.sum() == (n if kept else 0)
+
+
 def test_weights_are_detached_clamped_and_nan_free():
     prox = torch.tensor([[100.0, float("nan"), 0.0]], requires_grad=True)
     behav = torch.zeros(1, 3)

@@ -150,9 +150,79 @@ def test_ewma_resets_on_low_keep_rate_and_logs_event(tiny):
         t.behaviour_logprobs = [0.0] * len(t.response_ids)
     tr.events.clear()
     ew = tr.proximal
+    ew.on_optimizer_step(tr.model, window=2)  # a window 2 optimiser steps wide -> beta 0.5
     ew._kept, ew._counted = 99, 100
-    st = ew.after_update(tr.model, tr.version, {"staleness/max": 1.0})
-    assert not st.events and ew.W == pytest.approx(0.5 * 1.0 + 1.0)  # W=2 window -> beta 0.5
+    st = ew.after_update(tr.model, tr.version, {"staleness/max": 2.0})
+    assert not st.events and ew.W == pytest.approx(0.5 * 1.0 + 1.0)
+    assert st.values["proximal/ewma_beta"] == pytest.approx(0.5) and ew.resets == 1
+
+
+def test_ewma_fixed_window_hand_computed_over_optimiser_steps():
+    """Window w = 3 optimiser steps: beta = 3 / 5 for every step, bias-corrected (MISSION.md
+    section 2). Parameters 1 (initial), then 3, 5, 4 after three optimiser steps."""
+    lin = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+    e = EWMA(lin)
+    assert e.current_beta(3) == pytest.approx(0.6)
+    # (W_t, ewma): W_t = 0.6 W_{t-1} + 1; ewma = (0.6 W_{t-1} / W_t) ewma + theta / W_t
+    expected = [
+        (1.6, 0.375 * 1.0 + 3.0 / 1.6),                       # 2.25
+        (1.96, (0.96 / 1.96) * 2.25 + 5.0 / 1.96),            # 3.653061...
+        (2.176, (4 + 0.6 * 5 + 0.36 * 3 + 0.216 * 1) / 2.176),  # weights 1, .6, .36, .216: 3.8125
+    ]
+    for theta, (w, value) in zip((3.0, 5.0, 4.0), expected, strict=True):
+        with torch.no_grad():
+            lin.weight.fill_(theta)
+        e.on_optimizer_step(lin, window=3)
+        assert e.W == pytest.approx(w) and e.model.weight.item() == pytest.approx(value, rel=1e-6)
+    assert e.model.weight.item() == pytest.approx(3.8125, rel=1e-6) and e.updates == 3
+    with pytest.raises(ValueError, match="window"):
+        e.current_beta(-1)
+
+
+def test_ewma_synchronous_run_averages_nothing(tiny):
+    """eta = 0: every batch is of the trainer's own version (window 0, beta 0), so after every
+    optimiser step the EWMA is exactly the current parameters and the proximal log-probs equal
+    recompute's."""
+    tr = _trainer(tiny, "ewma", eta=0, ewma_reset_keep_rate=0.0)
+    for step in range(3):
+        m = tr.train_step(make_trajs(4, seed=step, version=tr.version))
+        assert m["proximal/ewma_beta"] == 0.0 and m["proximal/ewma_window"] == 0.0
+        assert tr.proximal.W == 1.0
+        ewma, cur = tr.proximal.model.state_dict(), tr.model.state_dict()
+        assert all(torch.equal(ewma[k], cur[k]) for k in cur)
+    mb = _mb(make_trajs(4, seed=9, version=tr.version))
+    assert torch.equal(tr.proximal.old_logprobs(tr, mb) * mb.mask, _current(tr, mb) * mb.mask)
+
+
+def test_ewma_updates_after_every_optimiser_step(tiny):
+    """Three optimiser steps per update (trainer.minibatches = 3) on a batch one version stale:
+    three EWMA steps, each with the window 1 version x 3 steps = 3 (beta = 0.6), on the
+    parameters after each optimiser step."""
+    model = copy.deepcopy(tiny.model)
+    tc = TrainerConfig(lr=1e-3, warmup_steps=0, bf16=False, minibatches=3, micro_batch_tokens=24,
+                       pack_row_tokens=24)
+    pc = ProximalConfig(method="ewma", ewma_reset_keep_rate=0.0)
+    tr = Trainer(model, tc, LossConfig(), proximal_cfg=pc, eta=2, version=1)
+    seen = [{k: v.clone() for k, v in model.state_dict().items()}]
+    orig_step = tr.optimizer.step
+
+    def step(*a, **k):
+        out = orig_step(*a, **k)
+        seen.append({k: v.clone() for k, v in model.state_dict().items()})
+        return out
+
+    tr.optimizer.step = step
+    m = tr.train_step(make_trajs(8, version=0))
+    assert len(seen) == 4 and m["proximal/ewma_updates"] == 3.0 and tr.proximal.updates == 3
+    assert m["proximal/ewma_window"] == 3.0 and m["proximal/ewma_beta"] == pytest.approx(0.6)
+    weights = [0.6 ** (3 - i) for i in range(4)]  # theta_0 .. theta_3: .216, .36, .6, 1
+    assert tr.proximal.W == pytest.approx(sum(weights))
+    for k, got in tr.proximal.model.state_dict().items():
+        if got.is_floating_point():
+            want = sum(w * s[k] for w, s in zip(weights, seen, strict=True)) / sum(weights)
+            assert torch.allclose(got, want, atol=1e-6, rtol=1e-5), k
 
 
 def test_ewma_state_survives_checkpoint(tiny):
@@ -161,9 +231,18 @@ def test_ewma_state_survives_checkpoint(tiny):
     state = tr.state_dict()
     tr2 = _trainer(tiny, "ewma", eta=2, ewma_reset_keep_rate=0.0)
     tr2.load_state_dict(state)
-    assert tr2.proximal.W == tr.proximal.W
+    assert tr2.proximal.W == tr.proximal.W and tr2.proximal.updates == tr.proximal.updates == 1
     for a, b in zip(tr2.proximal.model.parameters(), tr.proximal.model.parameters(), strict=True):
         assert torch.equal(a, b)
+    # a checkpoint written before issue 10 (format 1: W, resets, params) still loads
+    old = {k: v for k, v in state["proximal"].items() if k in ("W", "resets", "params")}
+    tr3 = _trainer(tiny, "ewma", eta=2)
+    tr3.proximal.load_state_dict(old)
+    assert tr3.proximal.W == tr.proximal.W and tr3.proximal.updates == 0
+    assert all(torch.equal(a, b) for a, b in
+               zip(tr3.proximal.model.parameters(), tr.proximal.model.parameters(), strict=True))
+    with pytest.raises(ValueError, match="format 3"):
+        tr3.proximal.load_state_dict({**state["proximal"], "format": 3})
 
 
 def test_auto_choice(tiny):
@@ -205,6 +284,70 @@ def test_aggregation_modes_are_micro_batch_invariant(tiny, agg):
         tr.train_step(trajs)
         grads.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def _token_logprobs_full(model, traj):
+    """Log-probs of ``traj``'s response tokens from one plain full-softmax forward (with grad)."""
+    ids = torch.tensor([traj.prompt_ids + traj.response_ids])
+    lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    P = len(traj.prompt_ids)
+    return lp[torch.arange(P - 1, P - 1 + len(traj.response_ids)), torch.tensor(traj.response_ids)]
+
+
+@pytest.mark.parametrize("agg",
+                         ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"])
+def test_kl_penalty_is_aggregated_like_the_loss_across_micro_batches(tiny, agg):
+    """The KL-to-reference term is aggregated with the policy loss's mode (verl
+    ``verl/workers/utils/losses.py::ppo_loss``: ``agg_loss`` on the k3 matrix): with zero advantages
+    the trainer's gradient equals the autograd gradient of ``kl_coef * agg(k3)`` from independent
+    full-softmax forwards, with one micro-batch and with several; ``train/kl_ref`` stays the plain
+    per-token mean of k3."""
+    trajs = make_trajs(8)  # responses of 3..9 tokens: the modes differ
+    for t in trajs:
+        t.reward = 1.0  # all-equal groups: advantages 0, only the KL term has a gradient
+    ref = copy.deepcopy(tiny.model)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    kl_coef, constant = 0.5, 16.0
+    model = copy.deepcopy(tiny.model)
+    k3 = []
+    for t in trajs:
+        lp = _token_logprobs_full(model, t)
+        with torch.no_grad():
+            log_r = _token_logprobs_full(ref, t) - lp.detach()
+        log_r = log_r + lp.detach() - lp  # log pi_ref - log pi_theta, gradient through lp
+        k3.append(torch.exp(log_r) - 1.0 - log_r)
+    n_tok = sum(len(k) for k in k3)
+    objective = {
+        "token_mean": sum(k.sum() for k in k3) / n_tok,
+        "seq_mean_token_mean": sum(k.mean() for k in k3) / len(k3),
+        "seq_mean_token_sum": sum(k.sum() for k in k3) / len(k3),
+        "constant": sum(k.sum() for k in k3) / (len(k3) * constant),
+    }[agg]
+    (kl_coef * objective).backward()
+    expected = torch.cat([p.grad.flatten() for p in model.parameters()])
+    kl_ref = float(sum(k.sum() for k in k3)) / n_tok
+    for budget in (4096, 24):  # one micro-batch vs several
+        model = copy.deepcopy(tiny.model)
+        tc = TrainerConfig(lr=1e-3, warmup_steps=0, bf16=False, grad_clip=None,
+                           micro_batch_tokens=budget, pack_row_tokens=24)
+        tr = Trainer(model, tc,
+                     LossConfig(aggregation=agg, aggregation_constant=constant, kl_coef=kl_coef))
+        tr.ref_model.load_state_dict(ref.state_dict())
+        captured = {}
+        orig_step = tr.optimizer.step
+
+        def step(*a, _orig=orig_step, _m=model, captured=captured, **k):
+            captured["g"] = torch.cat([p.grad.flatten() for p in _m.parameters()]).clone()
+            return _orig(*a, **k)
+
+        tr.optimizer.step = step
+        m = tr.train_step(trajs)
+        assert (m["train/micro_batches"] == 1) == (budget == 4096)
+        assert torch.allclose(captured["g"], expected, atol=1e-6, rtol=1e-4), budget
+        assert m["train/kl_ref"] == pytest.approx(kl_ref, rel=1e-4)
 
 
 def test_partial_sync_equals_oracle_for_the_tokens_it_covers(tiny):

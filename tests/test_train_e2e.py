@@ -63,10 +63,9 @@ def test_resume_continues_version_and_never_retrains(tmp_path):
     cfg = load_config(None, BASE + ["trainer.total_steps=4", "async.eta=2", f"run.dir={run}",
                                     "run.checkpoint_every=2", "run.keep_checkpoints=2", "run.eval_after=false"])
     run_training(cfg)
-    # simulate a crash after step 2: throw away the step-4 checkpoint and what steps 3-4 logged
+    # simulate a crash after step 4 whose step-4 checkpoint was lost: the logs still hold steps
+    # 3-4, which the resume from step_2 supersedes (moved to trained.superseded.jsonl)
     shutil.rmtree(run / "checkpoints" / "step_4")
-    kept = trained_groups(run)[:2]
-    (run / "trained.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
     ckpt_state = __import__("torch").load(run / "checkpoints" / "step_2" / "state.pt", weights_only=False)
     assert ckpt_state["version"] == 2
     cfg2 = load_run_config(run, ["trainer.total_steps=5"])
@@ -76,6 +75,9 @@ def test_resume_continues_version_and_never_retrains(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # versions continue at 3
     groups = [g["group"] for r in rows for g in r["groups"]]
     assert len(groups) == len(set(groups))  # no trajectory trained twice across the resume
+    superseded = [json.loads(x)["step"]
+                  for x in (run / "trained.superseded.jsonl").read_text().splitlines()]
+    assert superseded == [3, 4]
     events = [json.loads(x)["event"] for x in (run / "events.jsonl").read_text().splitlines()]
     assert "resume" in events
 

@@ -32,34 +32,106 @@ def _slug(text: str) -> str:
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    console.print(f"[bold red]error:[/] {msg}")
+    from rich.markup import escape
+
+    # the message is plain text: no markup, no emoji codes (a spec like gsm8k:train: is not one)
+    console.print(f"[bold red]error:[/] {escape(msg)}", emoji=False)
     raise typer.Exit(code)
+
+
+# instruction None: the data source's own (conveyor.prompts.resolve_instruction)
+_EVAL_DEFAULTS = {"dataset": "mawps:singleop", "temperature": 0.0, "top_p": 1.0,
+                  "max_new_tokens": 128, "instruction": None, "split_seed": 0, "tool": "none",
+                  "max_tool_calls": 4}
+_EXPORT = "a run's export (RUN/export)"
+_EVAL_HELP = {
+    "dataset": "dataset spec, e.g. mawps:singleop, gsm8k:test, svamp, rg:basic_arithmetic "
+               f"(default: {_EXPORT}: the run's held-out set; else mawps:singleop)",
+    "n": f"evaluate the first N problems (default: all; {_EXPORT}: the run's data.heldout_limit)",
+    "temperature": f"0 = greedy (default: 0; {_EXPORT}: its held-out evaluation's, 0)",
+    "top_p": "(default: 1.0)",
+    "max_new_tokens": f"tokens (default: 128; {_EXPORT}: its run.eval_max_new_tokens)",
+    "instruction": f"appended to every question (default: {_EXPORT}: its data.instruction; "
+                   "else the data source's own)",
+    "split_seed": f"(default: 0; {_EXPORT}: its data.split_seed)",
+    "tool": "none, or calculator: results of 'a op b =' are inserted (rollout.tool) "
+            f"(default: {_EXPORT}: its rollout.tool; else none)",
+    "max_tool_calls": "calculator observations per response at most "
+                      f"(default: 4; {_EXPORT}: its rollout.max_tool_calls)",
+}
+
+
+def _eval_settings(model: str, flags: dict) -> tuple[dict, str | None]:
+    """``conveyor eval``'s settings: each explicit flag (not None), else the model's export
+    settings (``conveyor.json`` of ``RUN/export``: the run's held-out evaluation), else the
+    built-in default (:data:`_EVAL_DEFAULTS`). Returns the settings and the settings file used."""
+    from conveyor.eval import EXPORT_SETTINGS_FILE, load_export_settings
+
+    try:
+        exp = load_export_settings(model)
+    except ValueError as e:
+        _fail(str(e))
+    out = dict(_EVAL_DEFAULTS, n=None)
+    if exp is not None:
+        ev = exp.get("eval") or {}
+        for key in ("temperature", "top_p", "max_new_tokens", "split_seed"):
+            if ev.get(key) is not None:
+                out[key] = ev[key]
+        for key in ("instruction", "tool", "max_tool_calls"):
+            if exp.get(key) is not None:
+                out[key] = exp[key]
+        if flags["dataset"] is None and ev.get("dataset"):  # the run's held-out problems
+            out["dataset"], out["n"] = ev["dataset"], ev.get("limit")
+    for key, value in flags.items():
+        if value is not None:
+            out[key] = value
+    from conveyor.prompts import resolve_instruction
+
+    out["instruction"] = resolve_instruction(out["instruction"], out["dataset"])
+    return out, (str(Path(model) / EXPORT_SETTINGS_FILE) if exp is not None else None)
 
 
 @app.command("eval")
 def eval_cmd(
     model: Annotated[str, typer.Option(help="preset (smollm2-135m-instruct, tiny), HF directory or .gguf file")] = "smollm2-135m-instruct",
-    dataset: Annotated[str, typer.Option(help="dataset spec, e.g. mawps:singleop, gsm8k:test, svamp, rg:basic_arithmetic")] = "mawps:singleop",
-    n: Annotated[int | None, typer.Option("--n", help="evaluate the first N problems (default: all)")] = None,
+    dataset: Annotated[str | None, typer.Option(help=_EVAL_HELP["dataset"])] = None,
+    n: Annotated[int | None, typer.Option("--n", help=_EVAL_HELP["n"])] = None,
     k: Annotated[int, typer.Option("--k", help="k of pass@k")] = 1,
     samples: Annotated[int | None, typer.Option(help="samples per problem (>= k, default k)")] = None,
-    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
-    top_p: Annotated[float, typer.Option()] = 1.0,
-    max_new_tokens: Annotated[int, typer.Option(help="tokens")] = 128,
-    instruction: Annotated[str, typer.Option(help="appended to every question")] = "Give the final answer as a number after 'Answer:'.",
-    split_seed: Annotated[int, typer.Option()] = 0,
+    temperature: Annotated[float | None, typer.Option(help=_EVAL_HELP["temperature"])] = None,
+    top_p: Annotated[float | None, typer.Option(help=_EVAL_HELP["top_p"])] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help=_EVAL_HELP["max_new_tokens"])] = None,
+    instruction: Annotated[str | None, typer.Option(help=_EVAL_HELP["instruction"])] = None,
+    split_seed: Annotated[int | None, typer.Option(help=_EVAL_HELP["split_seed"])] = None,
     batch_size: Annotated[int, typer.Option(help="engine decode batch (sequences)")] = 32,
     seed: Annotated[int, typer.Option()] = 0,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="JSON output path")] = None,
     no_progress: Annotated[bool, typer.Option("--no-progress")] = False,
-    tool: Annotated[str, typer.Option(help="none, or calculator: results of 'a op b =' are inserted (rollout.tool)")] = "none",
+    tool: Annotated[str | None, typer.Option(help=_EVAL_HELP["tool"])] = None,
+    max_tool_calls: Annotated[int | None, typer.Option(help=_EVAL_HELP["max_tool_calls"])] = None,
 ) -> None:
-    """Evaluate a model: pass@1, pass@k (Chen et al. 2021), avg@k, format rate, length, tokens/s."""
+    """Evaluate a model: pass@1, pass@k (Chen et al. 2021), avg@k, format rate, length, tokens/s.
+
+    A run's export (RUN/export) carries the settings of the run's held-out evaluation in
+    conveyor.json (tool, instruction, held-out data set, greedy decoding, max new tokens): they
+    are the defaults, so the run's figure is reproduced; explicit flags override them.
+    """
     from conveyor.data import DatasetError, load_dataset
     from conveyor.eval import evaluate
     from conveyor.models import ModelLoadError, load_model
     from conveyor.rollout.engine import InferenceEngine, SamplingParams
 
+    st, settings_from = _eval_settings(model, {
+        "dataset": dataset, "n": n, "temperature": temperature, "top_p": top_p,
+        "max_new_tokens": max_new_tokens, "instruction": instruction, "split_seed": split_seed,
+        "tool": tool, "max_tool_calls": max_tool_calls})
+    dataset, n, temperature, top_p = st["dataset"], st["n"], st["temperature"], st["top_p"]
+    max_new_tokens, instruction = st["max_new_tokens"], st["instruction"]
+    split_seed, tool, max_tool_calls = st["split_seed"], st["tool"], st["max_tool_calls"]
+    if settings_from is not None:
+        console.print(f"settings from {settings_from} (flags override): dataset {dataset}"
+                      f"{'' if n is None else f' (first {n})'}, tool {tool}, "
+                      f"max_new_tokens {max_new_tokens}, temperature {temperature}", soft_wrap=True)
     if k < 1 or (samples is not None and samples < k):
         _fail(f"need 1 <= --k <= --samples; got --k {k}, --samples {samples}")
     if batch_size < 1:
@@ -86,11 +158,13 @@ def eval_cmd(
             engine, lm.tokenizer, data, k=k, samples_per_problem=samples, temperature=temperature, top_p=top_p,
             max_new_tokens=max_new_tokens, instruction=instruction, dataset=dataset, model_name=model,
             progress=not no_progress and console.is_terminal, tool=tool,
+            max_tool_calls=max_tool_calls,
         )
     except ValueError as e:
         _fail(str(e))
     finally:
         engine.stop()
+    res.settings_from, res.split_seed = settings_from, split_seed
     out = output or Path("runs") / "eval" / f"{_slug(model)}__{_slug(dataset)}.json"
     res.write_json(out)
     summ = res.summary()
@@ -109,6 +183,9 @@ def train_cmd(
     from conveyor.config import ConfigError, load_config
     from conveyor.data import DatasetError
     from conveyor.models import ModelLoadError
+    from conveyor.runlog import console_log_handler
+    from conveyor.runtime_files import RunFileError, describe_os_error, is_disk_full
+    from conveyor.shutdown import StopNow
     from conveyor.train import load_run_config, run_training
     from conveyor.trainer.trainer import NonFiniteLossError
 
@@ -122,12 +199,25 @@ def train_cmd(
         cfg = load_run_config(resume, ov) if resume else load_config(config, ov)
     except (ConfigError, FileNotFoundError) as e:
         _fail(str(e))
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(levelname)s %(name)s: %(message)s",
-                        handlers=[logging.FileHandler("/dev/null")] if quiet else None)
+    # the console gets one line per warning (no tracebacks, no individual reward failures: a
+    # count); train.log in the run directory gets everything
+    handler = logging.FileHandler("/dev/null") if quiet else console_log_handler()
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, handlers=[handler])
     try:
         res = run_training(cfg, resume_dir=resume, console=console)
-    except (FileExistsError, FileNotFoundError, ModelLoadError, DatasetError, ConfigError) as e:
+    except (FileExistsError, FileNotFoundError, ModelLoadError, DatasetError, ConfigError,
+            RunFileError) as e:
         _fail(str(e))
+    except StopNow as e:  # a second Ctrl-C: threads and workers are stopped; say what was saved
+        console.print(e.report, style="yellow", soft_wrap=True, markup=False, emoji=False)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]")
+        sys.exit(130)
+    except OSError as e:
+        if is_disk_full(e):
+            _fail(str(describe_os_error(e, "the run directory")))
+        raise
     except NonFiniteLossError as e:
         _fail(f"{e}\nThe last state was checkpointed; see events.jsonl in the run directory.", code=1)
     except (ValueError, ImportError, AttributeError, TypeError) as e:
@@ -146,20 +236,39 @@ def train_cmd(
 
 @app.command("datasets")
 def datasets_cmd() -> None:
-    """List the built-in dataset specs."""
+    """List the data set specs: the vendored sets, then every reasoning-gym task."""
     from conveyor.data import list_datasets
 
+    console.print("[bold]vendored[/] (each also takes :train / :heldout, except gsm8k:train / "
+                  "gsm8k:test)")
     for name in list_datasets():
-        console.print(name)
-    console.print("rg:<task>?size=N&seed=S  (any reasoning-gym task), file:/path.jsonl?question=..&answer=..")
+        console.print(f"  {name}")
+    try:
+        rg = [n for n in list_datasets(include_rg=True) if n.startswith("rg:")]
+    except ImportError as e:  # reasoning-gym not installed
+        rg = []
+        console.print(f"reasoning-gym tasks: unavailable ({e})")
+    if rg:
+        console.print(f"[bold]reasoning-gym[/] ({len(rg)} procedural tasks; "
+                      "rg:<task>?size=N&seed=S, "
+                      ":train / :heldout use disjoint seeds)")
+        for name in rg:
+            console.print(f"  {name}")
+    console.print("[bold]your own file[/]: file:/path/data.jsonl?question=FIELD&answer=FIELD "
+                  "(JSONL, JSON or parquet)",
+                  soft_wrap=True)
 
 
 @app.command("report")
 def report_cmd(run_dir: Path) -> None:
     """Redraw the report PNG of a run directory."""
     from conveyor.runlog import plot_report
+    from conveyor.runtime_files import RunFileError
 
-    console.print(str(plot_report(run_dir)))
+    try:
+        console.print(str(plot_report(run_dir)))
+    except (FileNotFoundError, RunFileError) as e:
+        _fail(str(e))
 
 
 @app.command("simulate")

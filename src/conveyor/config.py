@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `trainer.lr=1e999` (inf) or `nan` is an error naming the key, never a
+    # silently non-finite run
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Strict):
@@ -33,7 +35,16 @@ class DataConfig(_Strict):
     heldout: str = "mawps:singleop:heldout"
     heldout_limit: int | None = Field(default=None, ge=1, description="evaluate on the first N held-out problems")
     split_seed: int = 0
-    instruction: str = "Give the final answer as a number after 'Answer:'."
+    instruction: str | None = Field(
+        default=None,
+        description=(
+            "appended to every question; null (the default) = the training data source's own "
+            "instruction (conveyor.data.registry.source_format: numeric sets ask for the final "
+            "answer 'as a number after 'Answer:'', reasoning-gym tasks 'after 'Answer:', in the "
+            "form the question asks for''), filled in when the config is built, so config.json "
+            "records the instruction used"
+        ),
+    )
     shuffle_seed: int = 0
 
 
@@ -57,6 +68,8 @@ class RolloutConfig(_Strict):
     temperature: float = Field(default=0.6, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0,
+                         description="keep tokens with p >= min_p * p_max (vLLM); 0 = off")
     max_concurrent: int = Field(default=64, ge=1, description="trajectories in flight at most")
     max_batch_size: int = Field(default=32, ge=1, description="engine decode batch (sequences)")
     engine_threads: int | None = Field(default=None, ge=1, description="engine intra-op threads (default: auto)")
@@ -89,6 +102,7 @@ class RewardConfig(_Strict):
     timeout_s: float = Field(default=10.0, gt=0)
     failure_score: float = 0.0
     workers: int = Field(default=2, ge=1)
+    max_abs: float = Field(default=1e6, gt=0, description="a reward beyond +-max_abs is a failed (invalid) reward")
 
 
 class LossConfig(_Strict):
@@ -125,7 +139,7 @@ class ProximalConfig(_Strict):
 
     method: Literal["recompute", "behavior", "snapshot", "partial_sync", "dedicated", "interpolate", "ewma", "auto"] = "recompute"
     interpolation: Literal["loglinear", "linear"] = "loglinear"
-    ewma_beta: float | None = Field(default=None, ge=0, lt=1, description="fixed EWMA decay; null = adaptive W/(W+2)")
+    ewma_beta: float | None = Field(default=None, ge=0, lt=1, description="fixed EWMA decay per optimiser step; null = adaptive W/(W+2), W = the batch's version window in optimiser steps")
     ewma_reset_keep_rate: float = Field(default=0.90, ge=0, le=1, description="reset the EWMA when the discrepancy keep-rate falls below")
     memory_budget_bytes: int = Field(default=4 * 2**30, ge=0, description="host bytes auto may spend on parameter copies")
     dedicated_threads: int = Field(default=1, ge=1, description="intra-op threads of the dedicated old-logit worker")
@@ -149,7 +163,10 @@ class TrainerConfig(_Strict):
     share_prompts: bool = Field(
         default=True, description="pack a group's responses behind one copy of their prompt (exact; the prompt's "
                                   "transformer work is done once per group; conveyor.trainer.batch)")
-    bf16: bool = Field(default=True, description="bf16 autocast for forward/backward (parameters stay fp32)")
+    bf16: bool | Literal["auto"] = Field(
+        default="auto", description="bf16 autocast for forward/backward (parameters stay fp32); auto = where a bf16 "
+                                    "matrix product is measured faster than fp32 (CPUs with AVX512-BF16 / AMX; "
+                                    "conveyor.hardware); true on a CPU without bf16 arithmetic is ~15x slower")
     max_nonfinite_in_a_row: int = Field(default=3, ge=1)
     num_threads: int | None = Field(default=None, ge=1, description="trainer intra-op threads (default: auto, see run.threads)")
     separate_proximal_pass: bool = Field(default=False, description="always compute pi_prox in its own forward pass (with minibatches=1 the gradient pass's detached log-probs are identical and are reused)")
@@ -194,7 +211,16 @@ class RunConfig(_Strict):
     dir: str | None = Field(default=None, description="run directory (default runs/<timestamp>)")
     seed: int = 0
     checkpoint_every: int = Field(default=10, ge=1, description="steps")
-    keep_checkpoints: int = Field(default=1, ge=1, description="newest checkpoints kept on disk")
+    keep_checkpoints: int = Field(
+        default=1, ge=1,
+        description="newest checkpoints kept on disk (2 keeps one to fall back to if the newest is damaged)")
+    final_checkpoint: Literal["full", "none"] = Field(
+        default="full",
+        description="checkpoint at the normal end of training: full (resumable, e.g. to train "
+                    "longer; ~1.6 GB for SmolLM2) or none (a crash or Ctrl-C still checkpoints)")
+    export_dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32",
+        description="dtype of run_dir/export: float32 (exact, 0.54 GB for SmolLM2) or bfloat16 (0.27 GB)")
     eval_before: bool = True
     eval_after: bool = True
     eval_max_new_tokens: int = Field(default=128, ge=1)
@@ -215,7 +241,8 @@ class TrainConfig(_Strict):
     trainer: TrainerConfig = TrainerConfig()
     run: RunConfig = RunConfig()
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True,
+                              allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -229,11 +256,52 @@ class TrainConfig(_Strict):
             raise ValueError(
                 f"rollout.max_concurrent ({self.rollout.max_concurrent}) must be >= rollout.group_size ({self.rollout.group_size})"
             )
+        _check_can_learn(self.rollout.temperature, self.rollout.group_size, self.loss.advantage)
+        return self
+
+    @model_validator(mode="after")
+    def _resolve_instruction(self) -> TrainConfig:
+        """``data.instruction`` not set: the training data source's own instruction
+        (:func:`conveyor.data.registry.default_instruction` of ``data.train``). An explicit value,
+        ``""`` included, is kept. Resolved here so the run's config.json records it."""
+        if self.data.instruction is None:
+            from conveyor.data.registry import default_instruction
+
+            self.data.instruction = default_instruction(self.data.train)
         return self
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (with the ``async`` key spelled as in files)."""
         return self.model_dump(by_alias=True, mode="json")
+
+
+def _check_can_learn(temperature: float, group_size: int, advantage: str) -> None:
+    """Refuse settings under which every advantage is exactly 0 (grad norm 0 every step).
+
+    - ``temperature == 0`` with ``group_size > 1``: greedy decoding gives a group ``group_size``
+      identical responses, hence equal rewards; GRPO / Dr. GRPO advantages (reward minus group
+      mean, Shao et al. 2024, arXiv 2402.03300) are 0, and REINFORCE would count one response
+      ``group_size`` times.
+    - ``group_size == 1`` with ``grpo`` / ``dr_grpo``: a group of one is its own mean, so its
+      advantage is 0 at any temperature. ``reinforce`` (batch-mean baseline) is the estimator
+      for one response per prompt (MISSION.md section 3).
+
+    Raises:
+        ValueError: one of the above (the message names the keys and the fix).
+    """
+    if temperature == 0 and group_size > 1:
+        raise ValueError(
+            f"rollout.temperature=0 (greedy) with rollout.group_size={group_size}: the "
+            f"{group_size} responses of a group are identical, so their rewards are equal and "
+            "every advantage is 0 (nothing is learned); use rollout.temperature > 0 (e.g. 0.6), "
+            "or rollout.group_size=1 with loss.advantage=reinforce"
+        )
+    if group_size == 1 and advantage in ("grpo", "dr_grpo"):
+        raise ValueError(
+            f"loss.advantage={advantage} with rollout.group_size=1: a group of one response is "
+            "its own mean, so every advantage is 0 (nothing is learned); use "
+            "rollout.group_size >= 2 or loss.advantage=reinforce"
+        )
 
 
 class ConfigError(ValueError):

@@ -1,6 +1,15 @@
 """Evaluation: pass@1, pass@k, avg@k, format rate, response length and generation speed.
 
 ``conveyor eval`` and the trainer's before/after held-out evaluation both call :func:`evaluate`.
+Answers are checked in the reward service's worker processes, with a timeout
+(:data:`~conveyor.rewards.ANSWER_METRICS`), never in this process: a pathological answer costs
+one worker its timeout and is counted as ``correct_unknown`` (issue 10, section 3).
+
+A training run's export (``RUN/export``) carries the settings its held-out evaluation used in
+``conveyor.json`` (:data:`EXPORT_SETTINGS_FILE`, written by :func:`write_export_settings`):
+``conveyor eval --model RUN/export`` evaluates with them by default, so it reproduces the run's
+figure (issue 10, section 5b: a run trained with the calculator tool scored 0.0 when evaluated
+without it).
 """
 
 from __future__ import annotations
@@ -11,11 +20,21 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from conveyor.faults import fault_point
 from conveyor.prompts import build_prompt_ids
-from conveyor.rewards import correctness_reward, format_ok
+from conveyor.rewards import ANSWER_METRICS, RewardService
 from conveyor.types import Sample
+
+if TYPE_CHECKING:
+    from conveyor.config import TrainConfig
+
+EXPORT_SETTINGS_FILE = "conveyor.json"
+"""Name of the settings file next to an export's Hugging Face files."""
+
+EXPORT_SETTINGS_FORMAT = 1
+"""Version of :data:`EXPORT_SETTINGS_FILE`'s layout (keys are only ever added)."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -59,7 +78,16 @@ class EvalResult:
         tokens_per_second: Generated tokens / generation wall-clock (tokens/s).
         wall_seconds: Generation wall-clock (s).
         temperature, max_new_tokens: Sampling settings.
-        records: Per-problem details (question id, answer, responses, verdicts).
+        top_p: Nucleus sampling setting.
+        tool: ``"none"`` or ``"calculator"`` (the agent evaluated). max_tool_calls: its limit.
+        instruction: The instruction appended to every question.
+        correct_unknown: Responses whose answer check failed (timed out or crashed in the
+            reward service): correctness unknown, counted as wrong in every figure above.
+        settings_from: The export settings file the defaults came from (``conveyor eval
+            --model RUN/export``), or None.
+        split_seed: The data set's split seed (set by ``conveyor eval``), or None.
+        records: Per-problem details (question id, answer, responses, verdicts: True, False or
+            None when unknown).
     """
 
     dataset: str
@@ -75,6 +103,13 @@ class EvalResult:
     wall_seconds: float
     temperature: float
     max_new_tokens: int
+    top_p: float = 1.0
+    tool: str = "none"
+    max_tool_calls: int = 4
+    instruction: str = ""
+    correct_unknown: int = 0
+    settings_from: str | None = None
+    split_seed: int | None = None
     records: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     def summary(self) -> dict[str, Any]:
@@ -89,6 +124,91 @@ class EvalResult:
         p.parent.mkdir(parents=True, exist_ok=True)
         d = asdict(self) if include_records else self.summary()
         p.write_text(json.dumps(d, indent=2))
+
+
+def write_export_settings(export_dir: str | Path, cfg: TrainConfig, *, policy_version: int,
+                          heldout_pass_at_1: float | None = None) -> Path:
+    """Write :data:`EXPORT_SETTINGS_FILE` (``conveyor.json``) into a run's export directory: what
+    evaluating the exported policy needs to reproduce the run's own held-out figure.
+
+    Keys: ``format`` (:data:`EXPORT_SETTINGS_FORMAT`), ``base_model``, ``policy_version``,
+    ``export_dtype`` (``run.export_dtype``; with ``"bfloat16"`` every weight is rounded, so an
+    evaluation of the export can differ slightly from the run's own, made with the fp32 policy),
+    ``instruction``, ``tool``, ``max_tool_calls``, ``data`` (``train``, ``heldout``,
+    ``heldout_limit``, ``split_seed``), ``training_sampling`` (the rollout's ``temperature``,
+    ``top_p``, ``top_k``, ``min_p``, ``max_new_tokens``: how the policy was sampled while it was
+    trained), ``eval`` (the held-out evaluation's settings: ``dataset``, ``limit``,
+    ``split_seed``, ``k``, ``temperature`` (0, greedy), ``top_p``, ``max_new_tokens``) and
+    ``heldout_pass_at_1`` (the run's figure with those settings, None when not evaluated).
+
+    Args:
+        export_dir: The export directory (must exist).
+        cfg: The run's :class:`~conveyor.config.TrainConfig`.
+        policy_version: The exported policy's version (optimizer steps).
+        heldout_pass_at_1: The run's held-out pass@1 after training, if measured.
+
+    Returns:
+        The path of the written file.
+
+    Raises:
+        conveyor.runtime_files.RunFileError: the file cannot be written (e.g. a full disk; an
+            ``OSError``); no partial file is left.
+    """
+    d, ro = cfg.data, cfg.rollout
+    settings = {
+        "format": EXPORT_SETTINGS_FORMAT,
+        "base_model": cfg.model.name,
+        "policy_version": policy_version,
+        "export_dtype": getattr(cfg.run, "export_dtype", "float32"),
+        "instruction": d.instruction,
+        "tool": ro.tool,
+        "max_tool_calls": ro.max_tool_calls,
+        "data": {"train": d.train, "heldout": d.heldout, "heldout_limit": d.heldout_limit,
+                 "split_seed": d.split_seed},
+        "training_sampling": {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k,
+                              "min_p": getattr(ro, "min_p", 0.0),
+                              "max_new_tokens": ro.max_new_tokens},
+        # the run's held-out evaluation (train.py, _heldout_eval): greedy, k = 1
+        "eval": {"dataset": d.heldout or None, "limit": d.heldout_limit, "split_seed": d.split_seed,
+                 "k": 1, "temperature": 0.0, "top_p": 1.0,
+                 "max_new_tokens": cfg.run.eval_max_new_tokens},
+        "heldout_pass_at_1": heldout_pass_at_1,
+    }
+    from conveyor.runtime_files import atomic_write_json
+
+    return atomic_write_json(Path(export_dir) / EXPORT_SETTINGS_FILE, settings,
+                             what="the export settings")
+
+
+def load_export_settings(model: str | Path) -> dict[str, Any] | None:
+    """The :data:`EXPORT_SETTINGS_FILE` of a model directory (a run's export), or None when the
+    model is not a directory or has no such file (a preset, a .gguf file, any other HF model).
+
+    Args:
+        model: The ``--model`` reference.
+
+    Returns:
+        The settings (see :func:`write_export_settings`), or None.
+
+    Raises:
+        ValueError: the file exists but is not a JSON object, or a key has the wrong type
+            (the message names the file and the key).
+    """
+    path = Path(model) / EXPORT_SETTINGS_FILE
+    if not path.is_file():
+        return None
+    try:
+        settings = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not readable as JSON ({e})") from e
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(settings).__name__}")
+    expected = {"instruction": str, "tool": str, "max_tool_calls": int, "eval": dict}
+    for key, typ in expected.items():
+        if key in settings and not isinstance(settings[key], typ):
+            got = repr(settings[key])[:80]
+            raise ValueError(f"{path}: key {key!r} must be a {typ.__name__}, got {got}")
+    return settings
 
 
 def _ks(n: int, k: int) -> list[int]:
@@ -116,11 +236,14 @@ def evaluate(
     progress: bool = True,
     tool: str = "none",
     max_tool_calls: int = 4,
+    reward_service: RewardService | None = None,
+    check_timeout_s: float = 10.0,
 ) -> EvalResult:
     """Generate ``samples_per_problem`` responses for every sample and score them.
 
     All requests are submitted at once and the engine batches them continuously; greedy decoding
     when ``temperature == 0`` (then one sample per problem is enough and extra ones are identical).
+    Answers are checked in reward-service worker processes (see the module docstring).
 
     Args:
         engine: A started :class:`conveyor.rollout.engine.InferenceEngine`.
@@ -134,12 +257,18 @@ def evaluate(
         tool: ``"calculator"`` evaluates the tool-using agent (:mod:`conveyor.rollout.tools`);
             response lengths then count actions and observations.
         max_tool_calls: Observations per response at most.
+        reward_service: The service that checks the answers (:meth:`RewardService.check_many`:
+            its metrics only, not its reward function, so a training run's service serves); it
+            must compute :data:`~conveyor.rewards.ANSWER_METRICS`. Default: a private one (one
+            worker process), closed on return.
+        check_timeout_s: Seconds one answer check may take in the private service (> 0).
 
     Returns:
         An :class:`EvalResult`.
 
     Raises:
-        ValueError: empty ``samples`` or ``samples_per_problem < k``.
+        ValueError: empty ``samples``, ``samples_per_problem < k``, an unknown ``tool``, or a
+            ``reward_service`` without the answer metrics.
     """
     from conveyor.rollout.engine import SamplingParams
 
@@ -150,9 +279,31 @@ def evaluate(
         raise ValueError(f"evaluate: tool must be 'none' or 'calculator', got {tool!r}")
     if n < k or k < 1:
         raise ValueError(f"evaluate: need 1 <= k <= samples_per_problem, got k={k}, samples_per_problem={n}")
+    if reward_service is not None:
+        missing = [m for m in ANSWER_METRICS if m not in reward_service.metric_names]
+        if missing:
+            raise ValueError(f"evaluate: reward_service does not compute the metrics {missing} "
+                             "(RewardService(..., metrics=conveyor.rewards.ANSWER_METRICS))")
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     prompts = [build_prompt_ids(tokenizer, s, instruction) for s in samples]
     total = len(samples) * n
+    # started before generation: its worker process loads while the engine generates
+    service = reward_service or RewardService("correctness", metrics=ANSWER_METRICS,
+                                              timeout_s=check_timeout_s, max_workers=1)
+    try:
+        return _generate_and_score(engine, tokenizer, samples, prompts, params, service, n=n, k=k,
+                                   total=total, dataset=dataset, model_name=model_name,
+                                   progress=progress, tool=tool, max_tool_calls=max_tool_calls,
+                                   instruction=instruction)
+    finally:
+        if reward_service is None:
+            service.close()
+
+
+def _generate_and_score(engine, tokenizer, samples, prompts, params, service, *, n, k, total,
+                        dataset, model_name, progress, tool, max_tool_calls,
+                        instruction) -> EvalResult:
+    """The body of :func:`evaluate` (generation, then the isolated answer checks)."""
 
     async def run_all(bar=None, task=None):
         async def one(i: int):
@@ -162,6 +313,7 @@ def evaluate(
                 out = await generate_with_calculator(engine, tokenizer, prompts[i], params, max_calls=max_tool_calls)
             else:
                 out = await engine.generate(prompts[i], params)
+            fault_point("eval")  # chaos suite: a kill during the held-out evaluation
             if bar is not None:
                 bar.advance(task)
             return i, out
@@ -192,16 +344,24 @@ def evaluate(
     by_problem: dict[int, list] = {}
     for i, out in outs:
         by_problem.setdefault(i, []).append(out)
+    # one isolated worker call per response (the metrics only, never the service's reward)
+    pairs = [(o.text, s) for i, s in enumerate(samples) for o in by_problem[i]]
+    checks = iter(service.check_many(pairs))
     records = []
     p1, pk = [], {str(kk): [] for kk in _ks(n, k)}
-    n_fmt = n_tok = n_correct_all = 0
+    n_fmt = n_tok = n_correct_all = n_unknown = 0
     for i, s in enumerate(samples):
         resps = by_problem[i]
-        verdicts = [correctness_reward(o.text, s) >= 1.0 for o in resps]
-        fmts = [format_ok(o.text) for o in resps]
-        c = sum(verdicts)
+        verdicts: list[bool | None] = []
+        fmts: list[bool | None] = []
+        for _ in resps:
+            m = next(checks)
+            verdicts.append(None if m["correct"] is None else m["correct"] >= 1.0)
+            fmts.append(None if m["format_ok"] is None else m["format_ok"] >= 1.0)
+        c = sum(v is True for v in verdicts)
+        n_unknown += sum(v is None for v in verdicts)
         n_correct_all += c
-        n_fmt += sum(fmts)
+        n_fmt += sum(f is True for f in fmts)
         n_tok += sum(len(o.token_ids) for o in resps)
         p1.append(c / n)
         for kk in pk:
@@ -223,7 +383,12 @@ def evaluate(
         mean_response_tokens=gen_tokens / total,
         tokens_per_second=gen_tokens / wall if wall > 0 else math.nan,
         wall_seconds=wall,
-        temperature=temperature,
-        max_new_tokens=max_new_tokens,
+        temperature=params.temperature,
+        max_new_tokens=params.max_new_tokens,
+        top_p=params.top_p,
+        tool=tool,
+        max_tool_calls=max_tool_calls,
+        instruction=instruction,
+        correct_unknown=n_unknown,
         records=records,
     )

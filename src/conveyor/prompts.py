@@ -5,6 +5,26 @@ from __future__ import annotations
 from conveyor.types import Sample
 
 
+def resolve_instruction(instruction: str | None, dataset: str) -> str:
+    """The instruction appended to each question: ``instruction`` when given (``""`` included:
+    no instruction), else the data source's own (:func:`conveyor.data.registry.source_format`:
+    numeric sets ask for "the final answer as a number after 'Answer:'", reasoning-gym tasks for
+    "the final answer after 'Answer:', in the form the question asks for").
+
+    Args:
+        instruction: An explicit instruction, or None for the source's default.
+        dataset: The data set spec whose default applies (e.g. ``"rg:spell_backward"``).
+
+    Raises:
+        TypeError: If ``dataset`` is not a str (when it is needed).
+    """
+    if instruction is not None:
+        return instruction
+    from conveyor.data.registry import default_instruction
+
+    return default_instruction(dataset)
+
+
 def build_messages(sample: Sample, instruction: str = "") -> list[dict[str, str]]:
     """Chat messages for one sample: a single user turn ``question`` + blank line + ``instruction``."""
     content = sample.question if not instruction else f"{sample.question}\n\n{instruction}"

@@ -1,11 +1,29 @@
-"""Run directory outputs: metrics as JSONL and TensorBoard events, events log, report PNG."""
+"""Run directory outputs: metrics as JSONL and TensorBoard events, events log, report PNG.
+
+Each step appears once in every log, across crashes and resumes (MISSION.md section 1: the
+audit trail shows that no trajectory is trained twice). A resume from the checkpoint at version
+``V`` calls :func:`supersede_after`, which moves the rows a crashed process wrote after ``V``
+(steps ``> V`` of ``metrics.jsonl``, ``trained.jsonl``, ``samples.jsonl``, and half-written
+lines) to ``<name>.superseded.jsonl`` siblings and rewrites the logs atomically; ``events.jsonl``
+keeps the crash history, with the events after ``V`` marked ``"superseded"``; TensorBoard is
+reopened with ``purge_step = V + 1`` (TensorBoard then discards the older events at steps
+``>= V + 1``). Every metrics row carries its process ``segment`` (0 for the first process, +1 per
+resume) so :func:`segment_summary` can report the wall-clock of all segments.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import time
 from pathlib import Path
+
+from conveyor.runtime_files import atomic_write, atomic_write_text
+
+STEP_LOGS = ("metrics.jsonl", "trained.jsonl", "samples.jsonl")
+EVENTS = "events.jsonl"
 
 
 class MetricsLogger:
@@ -15,41 +33,62 @@ class MetricsLogger:
         run_dir: The run directory (created if missing).
         tensorboard: Write TensorBoard event files under ``run_dir/tb``.
         samples_per_step: Responses per step copied to ``samples.jsonl``.
+        version: The policy version at start (events without an explicit ``version`` get the
+            latest one seen: this, then each :meth:`log` step).
+        segment: This process's segment number (0, then +1 per resume; :func:`next_segment`),
+            written into every metrics row and event.
+        purge_step: On a resume from version ``V``: ``V + 1``, so TensorBoard discards events a
+            crashed process logged at steps ``>= V + 1`` (``SummaryWriter(purge_step=...)``).
     """
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, samples_per_step: int = 2):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, samples_per_step: int = 2, *,
+                 version: int = 0, segment: int = 0, purge_step: int | None = None):
         self.samples_per_step = samples_per_step
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.version = version
+        self.segment = segment
         self.path = self.run_dir / "metrics.jsonl"
         self._f = self.path.open("a")
-        self._events = (self.run_dir / "events.jsonl").open("a")
+        self._events = (self.run_dir / EVENTS).open("a")
         self._tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+                self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge_step)
             except Exception:  # tensorboard missing: JSONL still works
                 self._tb = None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record ``metrics`` at ``step`` (policy version after the update)."""
-        row = {"step": step, "time": time.time(), **{k: _clean(v) for k, v in metrics.items()}}
+        self.version = step
+        row = {"step": step, "time": time.time(), "segment": self.segment,
+               **{k: _clean(v) for k, v in metrics.items()}}
         self._f.write(json.dumps(row) + "\n")
         self._f.flush()
         if self._tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
+            self._tb.flush()  # a killed process keeps its curves (TensorBoard buffers up to 120 s)
 
-    def trained(self, step: int, batch) -> None:
+    def trained(self, step: int, batch, not_trained: list[dict] | None = None) -> None:
         """Append to ``trained.jsonl`` which trajectory groups (and samples, versions) the update
         that produced policy version ``step`` consumed: an audit trail showing that no trajectory
         is trained twice, across resumes too. Each group also lists ``lengths`` ([prompt,
         response] tokens per trajectory), ``env_seconds`` (environment wait) and
         ``reward_seconds`` (reward scoring latency of the trajectory's group), the trace
-        ``conveyor simulate`` calibrates from."""
+        ``conveyor simulate`` calibrates from.
+
+        Args:
+            step: The policy version the update produced.
+            batch: The trajectories it trained on.
+            not_trained: Samples handed out since the previous row that will never be trained
+                (:meth:`~conveyor.rollout.controller.RolloutController.take_not_trained`:
+                dropped as stale, filtered, rejected, failed, prompt too long), listed under
+                ``"not_trained"`` so every sample the data stream handed out is accounted for.
+        """
         groups: dict[str, dict] = {}
         for t in batch:
             g = groups.setdefault(t.group_id, {"group": t.group_id, "sample": t.sample.id, "oldest_version": t.oldest_version,
@@ -60,7 +99,10 @@ class MetricsLogger:
             g["env_seconds"].append(float(t.metadata.get("env_seconds", 0.0)))
             g.setdefault("reward_seconds", []).append(float(t.metadata.get("reward_seconds", 0.0)))
         with (self.run_dir / "trained.jsonl").open("a") as f:
-            f.write(json.dumps({"step": step, "groups": list(groups.values())}) + "\n")
+            row = {"step": step, "groups": list(groups.values())}
+            if not_trained:
+                row["not_trained"] = not_trained
+            f.write(json.dumps(row) + "\n")
         # a few responses per step, to read what the policy actually writes
         with (self.run_dir / "samples.jsonl").open("a") as f:
             for t in batch[: self.samples_per_step]:
@@ -70,16 +112,22 @@ class MetricsLogger:
                 }) + "\n")
 
     def event(self, kind: str, **fields) -> None:
-        """Record a discrete event (checkpoint, resume, skipped step, eval, ...)."""
-        self._events.write(json.dumps({"time": time.time(), "event": kind, **fields}) + "\n")
+        """Record a discrete event (checkpoint, resume, skipped step, eval, ...). Every event
+        carries the policy ``version`` it happened at (default: the latest step logged), which is
+        how a resume tells the events after its checkpoint apart (:func:`supersede_after`)."""
+        fields.setdefault("version", self.version)
+        fields.setdefault("segment", self.segment)
+        row = {"time": time.time(), "event": kind, **fields}
+        self._events.write(json.dumps(row, default=str) + "\n")
         self._events.flush()
 
     def close(self) -> None:
-        """Flush and close the files."""
+        """Flush and close the files (idempotent)."""
         self._f.close()
         self._events.close()
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
 
 
 def _clean(v):
@@ -88,24 +136,262 @@ def _clean(v):
     return v
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    """Rows of a ``metrics.jsonl`` file (later rows for the same step, e.g. after a resume, win)."""
-    rows: dict[int, dict] = {}
+def superseded_path(path: str | Path) -> Path:
+    """``metrics.jsonl`` -> ``metrics.superseded.jsonl`` (where :func:`supersede_after` keeps
+    the rows it takes out of a log)."""
     p = Path(path)
-    if not p.is_file():
-        return []
-    for line in p.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            rows[r["step"]] = r
-    return [rows[k] for k in sorted(rows)]
+    return p.with_name(p.name.removesuffix(".jsonl") + ".superseded.jsonl")
+
+
+def _parse_lines(text: str) -> list[tuple[str, dict | None]]:
+    out = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut short by a kill during its write
+            row = None
+        out.append((line, row if isinstance(row, dict) else None))
+    return out
+
+
+def supersede_after(run_dir: str | Path, version: int) -> dict[str, int]:
+    """Make every run-directory log agree with a resume from the checkpoint at ``version``.
+
+    Called by the resuming process (holding the run directory's lock) before it writes anything:
+
+    - ``metrics.jsonl``, ``trained.jsonl``, ``samples.jsonl``: rows with ``step > version`` and
+      unparseable (half-written) lines are appended to the ``.superseded.jsonl`` sibling (each
+      row gains ``"superseded": {"resume_from_version": version, "time": ...}``; a half-written
+      line is kept as ``{"unparseable": <text>}``), then the log is rewritten atomically with the
+      remaining rows. The sibling is written and ``fsync``-ed first, so a crash in between can
+      duplicate a row there but never lose one.
+    - ``events.jsonl``: nothing is removed (it is the crash history); events with a ``version``
+      above ``version`` get the ``"superseded"`` field, half-written lines become
+      ``{"event": "unparseable", "raw": <text>, "superseded": ...}``.
+
+    Args:
+        run_dir: The run directory.
+        version: The checkpoint's policy version ``V``.
+
+    Returns:
+        ``{file name: rows superseded}`` for every log that exists.
+
+    Raises:
+        RunFileError: a rewrite failed (e.g. a full disk); the logs are then unchanged.
+    """
+    run_dir = Path(run_dir)
+    mark = {"resume_from_version": version, "time": time.time()}
+    counts: dict[str, int] = {}
+    for name in STEP_LOGS:
+        p = run_dir / name
+        if not p.is_file():
+            continue
+        kept, moved = [], []
+        for line, row in _parse_lines(p.read_text()):
+            if row is None:
+                moved.append({"unparseable": line, "superseded": mark})
+            elif isinstance(row.get("step"), int) and row["step"] > version:
+                moved.append({**row, "superseded": mark})
+            else:
+                kept.append(line)
+        counts[name] = len(moved)
+        if moved:
+            with superseded_path(p).open("a") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in moved))
+                f.flush()
+                os.fsync(f.fileno())
+            atomic_write_text(p, "".join(line + "\n" for line in kept), what=f"{p}")
+    p = run_dir / EVENTS
+    if p.is_file():
+        rows, n = [], 0
+        for line, row in _parse_lines(p.read_text()):
+            if row is None:
+                row = {"event": "unparseable", "raw": line, "superseded": mark}
+                n += 1
+            elif (not row.get("superseded") and isinstance(row.get("version"), int)
+                  and row["version"] > version):
+                row = {**row, "superseded": mark}
+                n += 1
+            rows.append(row)
+        counts[EVENTS] = n
+        if n:
+            atomic_write_text(p, "".join(json.dumps(r) + "\n" for r in rows), what=f"{p}")
+    return counts
+
+
+def read_jsonl(path: str | Path, *, by_step: bool = False,
+               include_superseded: bool = False) -> list[dict]:
+    """The rows of a run-directory JSONL log, tolerant of crash damage.
+
+    Args:
+        path: e.g. ``RUN/metrics.jsonl``; a missing file gives ``[]``.
+        by_step: One row per ``step``, sorted by step, the later row winning (a run directory
+            written before :func:`supersede_after` existed can hold a step twice).
+        include_superseded: Also read the ``.superseded.jsonl`` sibling (rows in it keep their
+            ``"superseded"`` field) and keep superseded events.
+
+    Returns:
+        The parsed rows; half-written lines and (unless asked for) superseded rows are left out.
+    """
+    p = Path(path)
+    paths = [p, superseded_path(p)] if include_superseded else [p]
+    rows = []
+    for q in paths:
+        if q.is_file():
+            rows += [r for _, r in _parse_lines(q.read_text())
+                     if r is not None and "unparseable" not in r]
+    if not include_superseded:
+        rows = [r for r in rows if not r.get("superseded")]
+    if by_step:
+        last: dict[int, dict] = {}
+        for r in rows:
+            if isinstance(r.get("step"), int):
+                last[r["step"]] = r
+        rows = [last[k] for k in sorted(last)]
+    return rows
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Rows of a ``metrics.jsonl`` file, one per step (a later row for the same step wins)."""
+    return read_jsonl(path, by_step=True)
+
+
+def next_segment(run_dir: str | Path) -> int:
+    """The segment number of a process starting on ``run_dir``: one more than any segment in
+    its metrics rows (superseded ones included), 0 for a fresh run directory."""
+    rows = read_jsonl(Path(run_dir) / "metrics.jsonl", include_superseded=True)
+    return 1 + max((int(r.get("segment", 0)) for r in rows), default=-1)
+
+
+def segment_summary(run_dir: str | Path, current: dict) -> dict:
+    """Wall-clock and busy time of every process segment of a run.
+
+    Earlier segments are read from the metrics rows (kept and superseded) they wrote: a
+    segment's ``wall_seconds`` is its last row's ``time/elapsed_s`` (its training loop up to its
+    last logged step; a crashed process's time after that step is not known), its busy seconds
+    the busy fractions times that. ``current`` (this process, measured exactly) replaces the
+    rows of its segment.
+
+    Args:
+        run_dir: The run directory.
+        current: ``{"segment", "wall_seconds", "trainer_busy_seconds", "engine_busy_seconds",
+            "start_version", "end_version"}`` of this process.
+
+    Returns:
+        ``{"wall_seconds": total s, "trainer_busy": fraction, "engine_busy": fraction,
+        "segments": [per-segment dicts, oldest first]}``; per segment: ``segment``,
+        ``wall_seconds``, ``trainer_busy_seconds``, ``engine_busy_seconds``, ``steps`` (rows
+        kept), ``superseded_steps`` (rows a resume superseded), ``first_step``, ``last_step``.
+    """
+    rows = read_jsonl(Path(run_dir) / "metrics.jsonl", include_superseded=True)
+    segs: dict[int, dict] = {}
+    for r in rows:
+        k = int(r.get("segment", 0))
+        s = segs.setdefault(k, {"segment": k, "wall_seconds": 0.0, "trainer_busy_seconds": 0.0,
+                                "engine_busy_seconds": 0.0, "steps": 0, "superseded_steps": 0,
+                                "first_step": r["step"], "last_step": r["step"]})
+        s["superseded_steps" if r.get("superseded") else "steps"] += 1
+        s["first_step"] = min(s["first_step"], r["step"])
+        s["last_step"] = max(s["last_step"], r["step"])
+        el = float(r.get("time/elapsed_s") or 0.0)
+        if el >= s["wall_seconds"]:
+            s["wall_seconds"] = el
+            s["trainer_busy_seconds"] = float(r.get("busy/trainer") or 0.0) * el
+            s["engine_busy_seconds"] = float(r.get("busy/engine") or 0.0) * el
+    cur = segs.setdefault(current["segment"],
+                          {"segment": current["segment"], "steps": 0, "superseded_steps": 0})
+    cur.update(current)
+    out = [segs[k] for k in sorted(segs)]
+    wall = sum(s["wall_seconds"] for s in out)
+    return {
+        "wall_seconds": wall,
+        "trainer_busy": sum(s["trainer_busy_seconds"] for s in out) / max(wall, 1e-9),
+        "engine_busy": sum(s["engine_busy_seconds"] for s in out) / max(wall, 1e-9),
+        "segments": out,
+    }
+
+
+class ConsoleFormatter(logging.Formatter):
+    """Console log lines: ``LEVEL logger: first line of the message``. Tracebacks and the rest of
+    multi-line messages stay in ``train.log`` (the run's file handler formats the same record in
+    full); the console line says so."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """One line per record (see the class docstring)."""
+        lines = record.getMessage().splitlines() or [""]
+        more = len(lines) > 1 or record.exc_info is not None or record.stack_info is not None
+        tail = " (details in train.log)" if more else ""
+        return f"{record.levelname} {record.name}: {lines[0]}{tail}"
+
+
+class ConsoleFilter(logging.Filter):
+    """Keeps repeated failures off the console: individual reward failures
+    (``conveyor.rewards`` warnings) and records logged with ``extra={"console": False}``. The
+    training loop prints a one-line count instead (:class:`FailureCounter`); each failure, with
+    its traceback, is in ``train.log``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False for reward-service records below ERROR and for ``console=False`` records."""
+        if getattr(record, "console", True) is False:
+            return False
+        return not (record.name.startswith("conveyor.rewards") and record.levelno < logging.ERROR)
+
+
+def console_log_handler(stream=None) -> logging.Handler:
+    """A ``StreamHandler`` (stderr by default) with :class:`ConsoleFilter` and
+    :class:`ConsoleFormatter`, for the ``conveyor`` command line."""
+    h = logging.StreamHandler(stream)
+    h.addFilter(ConsoleFilter())
+    h.setFormatter(ConsoleFormatter())
+    return h
+
+
+class FailureCounter:
+    """Turns cumulative failure counters into at most one console line every ``interval_s``.
+
+    Args:
+        interval_s: Seconds between two lines at least (s).
+        clock: Time source (s), for tests.
+    """
+
+    def __init__(self, interval_s: float = 10.0, clock=time.monotonic):
+        self.interval_s = interval_s
+        self._clock = clock
+        self._reported: dict[str, int] = {}
+        self._last = -math.inf
+
+    def update(self, counts: dict[str, int]) -> str | None:
+        """``counts``: cumulative ``{what: n}`` (e.g. ``{"reward failures": 12}``). Returns a line
+        naming what grew since the last line, or None (nothing new, or too soon)."""
+        new = {k: v - self._reported.get(k, 0) for k, v in counts.items()
+               if v > self._reported.get(k, 0)}
+        now = self._clock()
+        if not new or now - self._last < self.interval_s:
+            return None
+        self._last = now
+        self._reported.update({k: counts[k] for k in new})
+        parts = [f"{n} {k}" for k, n in new.items()]
+        totals = ", ".join(f"{counts[k]} {k} in total" for k in new)
+        return "+" + ", +".join(parts) + f" ({totals}; details in train.log)"
+
+
+def _legend(ax, **kw) -> None:
+    if ax.get_legend_handles_labels()[0]:  # no curves yet (e.g. no step finished): no legend
+        ax.legend(**kw)
 
 
 def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str = "") -> Path:
-    """Draw reward / accuracy / staleness / throughput curves of a run into ``report.png``.
+    """Draw reward / accuracy / staleness / throughput curves of a run into ``report.png``
+    (written atomically).
 
     Returns:
         The PNG path.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` is not a directory or has no ``metrics.jsonl``.
+        RunFileError: the PNG cannot be written (e.g. a full disk).
     """
     import matplotlib
 
@@ -113,6 +399,11 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir}: no such run directory")
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (not a conveyor run directory, or no "
+                                "step finished yet)")
     rows = read_metrics(run_dir / "metrics.jsonl")
     out = Path(out) if out else run_dir / "report.png"
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
@@ -138,7 +429,7 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
             ax.plot(xs, smooth(ys), label=label)
     ax.set_title("reward and accuracy of training batches")
     ax.set_xlabel("policy version")
-    ax.legend()
+    _legend(ax)
     ax = axes[0][1]
     for key in ("staleness/mean", "staleness/max"):
         xs, ys = series(key)
@@ -149,7 +440,7 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
         ax.plot(xs, ys, label="multi-version share")
     ax.set_title("staleness (versions, from oldest token)")
     ax.set_xlabel("policy version")
-    ax.legend()
+    _legend(ax)
     ax = axes[1][0]
     for key in ("throughput/generated_tokens_per_s", "train/tokens_per_s"):
         xs, ys = series(key)
@@ -157,7 +448,7 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
             ax.plot(xs, ys, label=key)
     ax.set_title("throughput (tokens/s)")
     ax.set_xlabel("policy version")
-    ax.legend()
+    _legend(ax)
     ax = axes[1][1]
     for key in ("busy/trainer", "busy/engine"):
         xs, ys = series(key)
@@ -171,9 +462,11 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
     ax.set_ylim(0, 1.05)
     ax.set_title("busy fractions (cumulative) / response length")
     ax.set_xlabel("policy version")
-    ax.legend(loc="lower left")
+    _legend(ax, loc="lower left")
     fig.suptitle(title or str(run_dir))
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=100, format="png"), what=str(out))
+    finally:
+        plt.close(fig)
     return out

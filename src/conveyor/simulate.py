@@ -42,6 +42,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from conveyor.runlog import read_jsonl
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -518,8 +520,9 @@ def calibrate(run_dir: str | Path) -> SimConfig:
     responses: list[float] = []
     env_waits: list[float] = []
     reward_waits: list[float] = []
-    for line in paths["trained.jsonl"].read_text().splitlines():
-        rec = json.loads(line)
+    # one row per step: a run directory written before resumes superseded their rows may hold a
+    # step twice, and a killed process may leave a half-written last line (conveyor.runlog)
+    for rec in read_jsonl(paths["trained.jsonl"], by_step=True):
         for g in rec["groups"]:
             for p, r in g.get("lengths", []):
                 prompts.append(p)
@@ -530,7 +533,7 @@ def calibrate(run_dir: str | Path) -> SimConfig:
             reward_waits.extend(rew)
     if not responses:
         raise ValueError(f"{paths['trained.jsonl']}: no trajectory lengths recorded")
-    steps = [json.loads(line) for line in paths["metrics.jsonl"].read_text().splitlines() if line.strip()]
+    steps = read_jsonl(paths["metrics.jsonl"], by_step=True)
     steps = [m for m in steps if "time/train_step_s" in m]
     if not steps:
         raise ValueError(f"{paths['metrics.jsonl']}: no finished update")

@@ -10,95 +10,72 @@ weights and receives :class:`~conveyor.sync.WeightUpdate` messages.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
 import os
 import random
-import shutil
-import signal
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from rich.markup import escape
 
+from conveyor.checkpoint import (
+    CHECKPOINTS,
+    export_policy,
+    find_resume_checkpoint,
+    latest_checkpoint,
+    save_checkpoint,
+)
 from conveyor.config import TrainConfig, load_config
-from conveyor.data import load_dataset
+from conveyor.data import DatasetError, load_dataset
 from conveyor.eval import evaluate
+from conveyor.faults import fault_point
 from conveyor.models import load_model
-from conveyor.rewards import RewardService, load_reward_fn
+from conveyor.rewards import ANSWER_METRICS, RewardService, load_reward_fn
 from conveyor.rollout.buffer import TrajectoryBuffer
 from conveyor.rollout.controller import DataStream, RolloutController, wait_for_batch
 from conveyor.rollout.engine import InferenceEngine, SamplingParams
 from conveyor.rollout.staleness import StalenessManager
 from conveyor.rollout.workflow import EnvLatencyWorkflow, SingleTurnMathWorkflow
-from conveyor.runlog import MetricsLogger, plot_report
+from conveyor.rundir import (
+    RunContext,
+    TrainResult,
+    announce,
+    check_resume_compatible,
+    final_checkpoint,
+    finished_result,
+    preflight_samples,
+    prepare_resume,
+    report_failures,
+)
+from conveyor.runlog import (
+    FailureCounter,
+    MetricsLogger,
+    next_segment,
+    plot_report,
+    segment_summary,
+)
+from conveyor.runtime_files import (
+    atomic_write,
+    atomic_write_json,
+    check_run_dir,
+    make_run_dir,
+)
+from conveyor.shutdown import StopNow
 from conveyor.trainer.proximal import score_partials
-from conveyor.trainer.trainer import Trainer
+from conveyor.trainer.trainer import NonFiniteLossError, Trainer
 
 log = logging.getLogger(__name__)
 
-CHECKPOINTS = "checkpoints"
-
-
-@dataclass
-class TrainResult:
-    """What a finished (or interrupted) run reports.
-
-    Attributes:
-        run_dir: The run directory. steps: policy version reached.
-        heldout_before / heldout_after: greedy held-out pass@1 (None when not evaluated).
-        wall_seconds: Training-loop wall-clock (s). interrupted: stopped by Ctrl-C / SIGTERM.
-        trainer_busy / engine_busy: Busy fractions of the training-loop wall-clock.
-    """
-
-    run_dir: Path
-    steps: int
-    heldout_before: float | None
-    heldout_after: float | None
-    wall_seconds: float
-    interrupted: bool
-    trainer_busy: float
-    engine_busy: float
+__all__ = ["CHECKPOINTS", "TrainResult", "load_run_config", "run_training", "save_checkpoint"]
 
 
 # ---------------------------------------------------------------------- checkpoints
-def _latest_checkpoint(run_dir: Path) -> Path | None:
-    root = run_dir / CHECKPOINTS
-    if not root.is_dir():
-        return None
-    cands = sorted((p for p in root.iterdir() if p.name.startswith("step_") and (p / "DONE").is_file()),
-                   key=lambda p: int(p.name.split("_")[1]))
-    return cands[-1] if cands else None
-
-
-def save_checkpoint(run_dir: Path, trainer: Trainer, controller: RolloutController, keep: int = 1) -> Path:
-    """Write ``checkpoints/step_<version>`` atomically (temporary directory, then rename, then a
-    ``DONE`` marker) with the policy, optimizer, scheduler, version, data cursor, buffered
-    trajectories, controller / staleness counters and RNG states; keep the newest ``keep``."""
-    root = run_dir / CHECKPOINTS
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{trainer.version}"
-    if (final / "DONE").is_file():
-        return final
-    tmp = root / f".tmp_step_{trainer.version}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    torch.save(trainer.state_dict(), tmp / "trainer.pt")
-    torch.save({
-        "controller": controller.snapshot(),
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        "version": trainer.version,
-    }, tmp / "state.pt")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    (final / "DONE").write_text(str(trainer.version))
-    done = sorted((p for p in root.iterdir() if p.name.startswith("step_")), key=lambda p: int(p.name.split("_")[1]))
-    for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+# (conveyor.checkpoint: atomic, verified writes; the old private name stays for callers)
+_latest_checkpoint = latest_checkpoint
 
 
 class _TrajView:
@@ -107,6 +84,7 @@ class _TrajView:
 
     def __init__(self, t):
         self.prompt_ids, self.token_ids, self.versions = t.prompt_ids, t.response_ids, t.versions
+        self.sampling_mask = t.sampling_mask  # kept sets: scored like the trainer
         self.old_logprobs = t.metadata.setdefault("old_logprobs", [])
 
 
@@ -139,29 +117,18 @@ def _make_run_dir(cfg: TrainConfig) -> Path:
         p = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     if (p / "metrics.jsonl").exists() or _latest_checkpoint(p) is not None:
         raise FileExistsError(f"run directory {p} already holds a run: use `conveyor train --resume {p}` or another run.dir")
-    p.mkdir(parents=True, exist_ok=True)
-    return p
+    return make_run_dir(p)  # RunFileError (clear message) when it cannot be created
 
 
-# keys a resumed run must keep (the checkpoint was made with them)
-_FIXED_ON_RESUME = (("model", "name"), ("run", "dir"), ("rollout", "group_size"), ("trainer", "batch_size"))
-
-
-def _check_resume_compatible(run_dir: Path, cfg: TrainConfig) -> None:
-    saved = load_config(run_dir / "config.json")
-    for section, key in _FIXED_ON_RESUME:
-        old, new = getattr(getattr(saved, section), key), getattr(getattr(cfg, section), key)
-        if old != new:
-            raise ValueError(f"--resume {run_dir}: {section}.{key} cannot change on resume (checkpoint has {old!r}, got {new!r})")
-
-
-def _heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logger: MetricsLogger, run_dir: Path, progress: bool):
+def _heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logger: MetricsLogger, run_dir: Path, progress: bool,
+                  reward_service: RewardService | None = None):
     res = evaluate(
         engine, tokenizer, samples, k=1, temperature=0.0, max_new_tokens=cfg.run.eval_max_new_tokens,
         instruction=cfg.data.instruction, dataset=cfg.data.heldout, model_name=cfg.model.name, progress=progress,
         tool=cfg.rollout.tool, max_tool_calls=cfg.rollout.max_tool_calls,
+        reward_service=reward_service,  # answer checks in the run's reward workers (metrics only)
     )
-    res.write_json(run_dir / f"eval_{label}.json")
+    atomic_write(run_dir / f"eval_{label}.json", res.write_json)  # never a half-written file
     logger.event("eval", label=label, version=engine.version, **{k: v for k, v in res.summary().items() if not isinstance(v, dict)})
     return res
 
@@ -169,31 +136,78 @@ def _heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logg
 def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, console=None) -> TrainResult:
     """Run (or resume) an asynchronous RL training job; see the module docstring.
 
+    The run directory is locked for the whole run (``run.lock``; a second process is refused).
+    The first Ctrl-C / SIGTERM in the training loop stops it after the current step with a
+    checkpoint; a second one stops at once (:class:`~conveyor.shutdown.StopNow`, whose
+    ``report`` says what was saved), with threads and worker processes shut down either way.
+
     Args:
         cfg: The resolved configuration (ignored except for overrides when resuming: the run's
             saved config is loaded and the given overrides already merged by the caller).
         resume_dir: A run directory with checkpoints to continue from, exactly: same version
-            numbers, data cursor and buffered trajectories; no trajectory is trained twice.
+            numbers, data cursor and buffered trajectories; no trajectory is trained twice, and
+            the log rows written after the checkpoint are superseded (:mod:`conveyor.runlog`).
+            A run that already finished is left untouched.
         console: Optional ``rich.console.Console`` for the progress display.
 
     Returns:
-        A :class:`TrainResult`.
+        A :class:`TrainResult` (wall-clock and busy fractions over all process segments).
 
     Raises:
         FileExistsError / FileNotFoundError: run directory conflicts.
+        conveyor.runtime_files.RunFileError: run directory in use, not creatable, disk full.
+        conveyor.checkpoint.CheckpointError: no intact checkpoint to resume from.
+        conveyor.data.DatasetError: unusable data (e.g. every prompt longer than the context).
+        conveyor.shutdown.StopNow: a second Ctrl-C / SIGTERM.
         conveyor.trainer.trainer.NonFiniteLossError: too many non-finite steps in a row (a
             checkpoint is written first).
     """
     from rich.console import Console
 
     console = console or Console()
+    ctx = RunContext(console)
+    ctx.interrupts.install()
+    try:
+        return _run_training(cfg, resume_dir, console, ctx)
+    except StopNow as e:
+        e.report = ctx.stop_report()
+        if ctx.logger is not None:
+            with contextlib.suppress(Exception):
+                ctx.logger.event("stopped_now", phase=ctx.phase, report=e.report)
+        raise
+    finally:
+        ctx.close()
+
+
+def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
+                  ctx: RunContext) -> TrainResult:
+    """The body of :func:`run_training`; everything to release is registered on ``ctx``."""
     ckpt = None
+    restart_in_place = False
     if resume_dir is not None:
         run_dir = Path(resume_dir)
-        ckpt = _latest_checkpoint(run_dir)
+        if not run_dir.is_dir():
+            raise FileNotFoundError(f"--resume {run_dir}: no such run directory")
+        ctx.lock(run_dir)  # before reading a checkpoint another process may be writing
+        finished = finished_result(run_dir, cfg, console)
+        if finished is not None:
+            return finished
+
+        def warn(m: str) -> None:
+            console.print(f"[bold yellow]warning:[/] {escape(m)}", emoji=False)
+
+        ckpt = find_resume_checkpoint(run_dir, warn=warn)
         if ckpt is None:
-            raise FileNotFoundError(f"--resume {run_dir}: no finished checkpoint under {run_dir / CHECKPOINTS}")
-        _check_resume_compatible(run_dir, cfg)
+            if not (run_dir / "config.json").is_file():
+                raise FileNotFoundError(f"--resume {run_dir}: no finished checkpoint under {run_dir / CHECKPOINTS}")
+            # stopped before its first checkpoint (e.g. killed in the evaluation before training):
+            # nothing to continue from, so the run starts again, in its own directory
+            warn(f"{run_dir} has no checkpoint yet (the process stopped before its first one): "
+                 "starting the run again from version 0 in the same directory")
+            restart_in_place = True
+        check_resume_compatible(run_dir, cfg)
+    elif cfg.run.dir:
+        check_run_dir(cfg.run.dir)  # a bad run.dir fails now, not after loading the model
 
     # Everything that can fail on bad input is loaded before the run directory is touched, so a
     # typo never leaves a stray directory or a rewritten config behind.
@@ -207,6 +221,8 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
     lm = load_model(cfg.model.name, seed=cfg.model.seed)
     tokenizer = lm.tokenizer
     policy = lm.model
+    train_samples, heldout, n_too_long, warnings = preflight_samples(
+        cfg, train_samples, heldout, tokenizer, policy)
     trainer = Trainer(policy, cfg.trainer, cfg.loss, temperature=cfg.rollout.temperature, proximal_cfg=cfg.proximal,
                       eta=cfg.asynchronous.eta, max_new_tokens=cfg.rollout.max_new_tokens)
     state = None
@@ -215,24 +231,45 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
         state = torch.load(ckpt / "state.pt", weights_only=False)
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
-        if trainer.version >= cfg.trainer.total_steps:
-            console.print(f"{run_dir} is already at version {trainer.version} >= trainer.total_steps="
-                          f"{cfg.trainer.total_steps}; to train longer: conveyor train --resume {run_dir} "
-                          f"trainer.total_steps=N")
+        if trainer.version >= cfg.trainer.total_steps:  # killed after its last step: finish the run
+            console.print(f"{run_dir} is already at version {trainer.version} >= "
+                          f"trainer.total_steps={cfg.trainer.total_steps}: completing its "
+                          "evaluation, export and summary; to train longer: conveyor train "
+                          f"--resume {run_dir} trainer.total_steps=N")
+        resumed = prepare_resume(run_dir, trainer.version)
+    elif restart_in_place:  # locked above; every row an earlier process logged is superseded
+        resumed = prepare_resume(run_dir, 0)
+        (run_dir / "eval_before.json").unlink(missing_ok=True)
     else:
         run_dir = _make_run_dir(cfg)
+        ctx.lock(run_dir)
+    ctx.trainer, ctx.start_version = trainer, trainer.version
 
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    logger = MetricsLogger(run_dir)
+    atomic_write_json(run_dir / "config.json", cfg.to_dict())
+    logger = MetricsLogger(run_dir, version=trainer.version, segment=next_segment(run_dir),
+                           purge_step=trainer.version + 1 if (ckpt is not None or restart_in_place) else None)
+    ctx.logger = logger
+    ctx.stack.callback(logger.close)
     handler = logging.FileHandler(run_dir / "train.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("conveyor").addHandler(handler)
+    ctx.stack.callback(logging.getLogger("conveyor").removeHandler, handler)
     logging.getLogger("conveyor").setLevel(logging.INFO)
     logger.event("proximal", method=trainer.proximal.name, requested=cfg.proximal.method, note=trainer.proximal_note,
                  extra_bytes=trainer.proximal.extra_bytes())
+    logger.event("precision", bf16=trainer.bf16, note=trainer.precision_note)  # trainer.bf16=auto's choice
+    if restart_in_place:
+        logger.event("restart", version=0, **resumed)
     if ckpt is not None:
-        logger.event("resume", checkpoint=str(ckpt), version=trainer.version)
+        logger.event("resume", checkpoint=str(ckpt), version=trainer.version, **resumed)
         console.print(f"[bold]resumed[/] {run_dir} at version {trainer.version} from {ckpt.name}")
+        for line in resumed["cleaned"]:
+            console.print(f"  removed {line}")
+        if resumed["superseded_rows"]:
+            console.print(f"  rows logged after {ckpt.name} by the interrupted process are "
+                          "superseded (moved to *.superseded.jsonl / marked in events.jsonl): "
+                          f"{resumed['superseded_rows']}")
+    announce(warnings, logger, console)
 
     engine_model = copy.deepcopy(policy).eval()
     for p in engine_model.parameters():
@@ -244,12 +281,17 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
                              track_partials=partial_sync or dedicated is not None,
                              reencode_on_update=cfg.rollout.reencode_on_update)
     engine.start()
+    ctx.stack.callback(engine.stop)
     reward_service = RewardService(reward_fn, timeout_s=cfg.reward.timeout_s,
-                                   failure_score=cfg.reward.failure_score, max_workers=cfg.reward.workers)
+                                   failure_score=cfg.reward.failure_score, max_workers=cfg.reward.workers,
+                                   metrics=ANSWER_METRICS,  # correctness off the main process too
+                                   max_abs_score=cfg.reward.max_abs)
+    ctx.stack.callback(reward_service.close)
     G = cfg.rollout.group_size
     B = cfg.trainer.batch_size * G  # trajectories per update
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+                            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                            min_p=cfg.rollout.min_p)
     workflow = SingleTurnMathWorkflow(tokenizer, reward_service, params, group_size=G, instruction=cfg.data.instruction,
                                       tool=cfg.rollout.tool, max_tool_calls=cfg.rollout.max_tool_calls)
     lat = cfg.rollout.env_latency
@@ -262,35 +304,33 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
         engine, workflow, DataStream(train_samples, seed=cfg.data.shuffle_seed), staleness, buffer,
         group_size=G, filter_all_equal=cfg.rollout.filter_all_equal,
         max_filtered_in_a_row=cfg.rollout.max_filtered_in_a_row, version=trainer.version,
+        on_skip=lambda s, why: logger.event("prompt_too_long", sample=s.id, reason=why),
     )
+    ctx.stack.callback(controller.stop)
+    # prompts dropped up front (on resume, restore() puts back the checkpoint's count)
+    controller.stats.prompts_too_long = n_too_long
     if state is not None:
         controller.restore(state["controller"], trainer.version)
 
     progress = cfg.run.progress and console.is_terminal
     before = after = None
     if heldout and cfg.run.eval_before and ckpt is None:
+        ctx.phase = "the held-out evaluation before training"
         console.print(f"held-out evaluation before training ({len(heldout)} problems of {cfg.data.heldout}, greedy)")
-        res = _heldout_eval(engine, tokenizer, cfg, heldout, "before", logger, run_dir, progress)
+        res = _heldout_eval(engine, tokenizer, cfg, heldout, "before", logger, run_dir, progress, reward_service)
         before = res.pass_at_1
         console.print(f"  pass@1 before: [bold]{before:.3f}[/]  format rate {res.format_rate:.3f}  ({res.wall_seconds:.0f} s)")
     elif ckpt is not None and (run_dir / "eval_before.json").is_file():
         before = json.loads((run_dir / "eval_before.json").read_text())["pass_at_1"]
 
-    stop = threading.Event()
+    ctx.phase = "training"
+    stop = ctx.interrupts.begin_graceful()  # first Ctrl-C: finish the step, checkpoint, stop
     interrupted = False
-
-    def _on_signal(signum, frame):
-        nonlocal interrupted
-        interrupted = True
-        stop.set()
-        console.print("[yellow]stopping: finishing the current step and writing a checkpoint...[/]")
-
-    old_handlers = {}
-    if threading.current_thread() is threading.main_thread():
-        for s in (signal.SIGINT, signal.SIGTERM):
-            old_handlers[s] = signal.signal(s, _on_signal)
+    failures = FailureCounter()
 
     def health():
+        if isinstance(controller.error, DatasetError):  # e.g. every prompt too long: a clear error
+            raise controller.error
         if controller.error is not None:
             raise RuntimeError(f"rollout controller crashed: {controller.error!r}") from controller.error
 
@@ -332,7 +372,13 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
                 t0 = time.perf_counter()
                 if dedicated is not None:  # every version below the trainer's must be scored
                     dedicated.wait_retired(trainer.version)
-                metrics = trainer.train_step(batch)
+                try:
+                    metrics = trainer.train_step(batch)
+                except NonFiniteLossError as e:  # the step still counts: log it, then stop
+                    logger.log(trainer.version, e.metrics)
+                    logger.trained(trainer.version, batch, not_trained=controller.take_not_trained())
+                    logger.event("skipped_nonfinite", version=trainer.version)
+                    raise
                 if bookkeeping_s is not None:
                     metrics["time/bookkeeping_s"] = bookkeeping_s  # logging + checkpoint of the previous step
                 t_sync = time.perf_counter()
@@ -364,6 +410,8 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
                 metrics.update({
                     "rollout/accuracy": sum(bool(t.correct) for t in batch) / len(batch),
                     "rollout/format_rate": sum(bool(t.metadata.get("format_ok")) for t in batch) / len(batch),
+                    # the answer check timed out / crashed: correctness unknown (counted as wrong above)
+                    "rollout/correct_unknown_share": sum(t.correct is None for t in batch) / len(batch),
                     "rollout/reward_failed_share": sum(bool(t.metadata.get("reward_failed")) for t in batch) / len(batch),
                     "rollout/truncated_share": sum(t.finish_reason == "length" for t in batch) / len(batch),
                     "response/length_mean": sum(lengths) / len(lengths),
@@ -380,7 +428,7 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
                 prox_seconds.append(metrics.get("time/proximal_s", 0.0))
                 train_seconds.append(metrics.get("time/train_step_s", 0.0))
                 logger.log(trainer.version, metrics)
-                logger.trained(trainer.version, batch)
+                logger.trained(trainer.version, batch, not_trained=controller.take_not_trained())
                 if metrics["train/skipped_nonfinite"]:
                     logger.event("skipped_nonfinite", version=trainer.version)
                 for ev in trainer.events:
@@ -396,7 +444,10 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
                         f"step {trainer.version}/{total} reward {metrics['reward/mean']:.3f} acc {metrics['rollout/accuracy']:.3f} "
                         f"staleness {metrics['staleness/mean']:.2f} gen {metrics['throughput/generated_tokens_per_s']:.0f} tok/s "
                         f"busy trainer {metrics['busy/trainer']:.2f} engine {metrics['busy/engine']:.2f} ({wall:.0f} s)")
-                if trainer.version % cfg.run.checkpoint_every == 0:
+                report_failures(failures, controller, console)
+                fault_point("step_end")  # chaos suite: a kill between steps
+                # the checkpoint of the last step is the final one (run.final_checkpoint), below
+                if trainer.version % cfg.run.checkpoint_every == 0 and trainer.version < total:
                     p = save_checkpoint(run_dir, trainer, controller, keep=cfg.run.keep_checkpoints)
                     logger.event("checkpoint", path=str(p), version=trainer.version)
                 bookkeeping_s = time.perf_counter() - now
@@ -404,45 +455,55 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
         error = e
     finally:
         wall = time.perf_counter() - t_start
+        eng_end = engine.stats()  # read with `wall`: busy seconds and wall-clock cover one window
+        interrupted = ctx.interrupts.requested
         controller.stop()
         if dedicated is not None:
             dedicated.stop()
-        if trainer.version > 0 and not isinstance(error, KeyboardInterrupt | SystemExit) or interrupted:
-            try:
-                p = save_checkpoint(run_dir, trainer, controller, keep=cfg.run.keep_checkpoints)
-                logger.event("checkpoint", path=str(p), version=trainer.version, final=True)
-            except Exception:
-                log.exception("final checkpoint failed")
-        for s, h in old_handlers.items():
-            signal.signal(s, h)
+        ctx.phase = "the final checkpoint"
+        final_checkpoint(run_dir, trainer, controller, logger, cfg, error, interrupted)
+        ctx.interrupts.end_graceful()  # from here a Ctrl-C stops at once
+    ctx.phase = "the evaluation, export and summary after training"
     eng = engine.stats()
-    engine_busy = (eng["busy_seconds"] - eng0["busy_seconds"]) / max(wall, 1e-9)
+    # <= 1 by definition: the engine adds a forward pass's seconds when it ends, so one that began
+    # before t_start counts whole; in a short segment (a resume with nothing left to train) that
+    # alone gave 1.09-1.35
+    engine_busy = min(1.0, (eng_end["busy_seconds"] - eng0["busy_seconds"]) / max(wall, 1e-9))
     try:  # the engine's counters and decode profile: `conveyor simulate RUN_DIR` calibrates from them
-        (run_dir / "engine_stats.json").write_text(json.dumps(eng, indent=1, default=str))
+        atomic_write_json(run_dir / "engine_stats.json", eng, indent=1)
     except OSError:
         log.exception("could not write engine_stats.json")
     if error is not None:
         engine.stop()
         reward_service.close()
-        logger.event("error", error=repr(error), version=trainer.version)
-        logger.close()
-        raise error
+        if not isinstance(error, StopNow):  # (a second Ctrl-C is reported by run_training)
+            logger.event("error", error=repr(error), version=trainer.version)
+        raise error  # the logs are closed by ctx
     if heldout and cfg.run.eval_after and not interrupted:
         console.print(f"held-out evaluation after training (version {engine.version}, greedy)")
-        res = _heldout_eval(engine, tokenizer, cfg, heldout, "after", logger, run_dir, progress)
+        res = _heldout_eval(engine, tokenizer, cfg, heldout, "after", logger, run_dir, progress, reward_service)
         after = res.pass_at_1
         console.print(f"  pass@1 after: [bold]{after:.3f}[/]  format rate {res.format_rate:.3f}")
     engine.stop()
     reward_service.close()
     if cfg.run.export and trainer.version > 0:
         export_dir = run_dir / "export"
-        policy.save_pretrained(str(export_dir))
-        tokenizer.save_pretrained(str(export_dir))
+        export_policy(policy, tokenizer, export_dir, cfg.run.export_dtype)  # float32 | bfloat16
+        # tool, instruction, data set and eval settings: `conveyor eval --model RUN/export`
+        # reproduces the held-out figure by default (issue 10, section 5b)
+        from conveyor.eval import write_export_settings
+
+        write_export_settings(export_dir, cfg, policy_version=trainer.version, heldout_pass_at_1=after)
         logger.event("export", path=str(export_dir), version=trainer.version)
+    seg = segment_summary(run_dir, {  # wall-clock over every process segment of the run
+        "segment": logger.segment, "wall_seconds": wall, "trainer_busy_seconds": trainer_busy,
+        "engine_busy_seconds": engine_busy * wall, "start_version": ctx.start_version,
+        "end_version": trainer.version})
     summary = {
         "run_dir": str(run_dir), "steps": trainer.version, "heldout_before": before, "heldout_after": after,
-        "wall_seconds": wall, "interrupted": interrupted, "trainer_busy": trainer_busy / max(wall, 1e-9),
-        "engine_busy": engine_busy, "eta": eta, "controller": controller.counters(),
+        "wall_seconds": seg["wall_seconds"], "interrupted": interrupted,
+        "trainer_busy": seg["trainer_busy"], "engine_busy": seg["engine_busy"],
+        "segments": seg["segments"], "eta": eta, "controller": controller.counters(),
         # the cost ledger of the proximal strategy (MISSION.md section 2)
         "proximal": {
             "method": trainer.proximal.name, "requested": cfg.proximal.method, "note": trainer.proximal_note,
@@ -451,7 +512,7 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
             "mean_train_step_s": sum(train_seconds) / len(train_seconds) if train_seconds else 0.0,
         },
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_json(run_dir / "summary.json", summary)
     st = controller.stats
     if st.trajectories_accepted and st.reward_failures > 0.5 * st.trajectories_accepted:
         console.print(f"[bold yellow]warning:[/] {st.reward_failures} of {st.trajectories_accepted} rewards failed "
@@ -460,9 +521,8 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
         plot_report(run_dir, title=f"{cfg.model.name} on {cfg.data.train}, eta={eta}")
     except Exception:
         log.exception("report plot failed")
-    logger.close()
-    logging.getLogger("conveyor").removeHandler(handler)
-    return TrainResult(run_dir, trainer.version, before, after, wall, interrupted, summary["trainer_busy"], engine_busy)
+    return TrainResult(run_dir, trainer.version, before, after, summary["wall_seconds"],
+                       interrupted, summary["trainer_busy"], summary["engine_busy"])
 
 
 def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> TrainConfig:

@@ -64,6 +64,12 @@ its source file (JSONL: line number - 1, so ids do not move when a malformed row
 ``mawps:all`` ids name the subset: ``"mawps:all/singleop/17"``. ``Sample.dataset`` is the spec as
 given. ``metadata`` holds ``source`` (file), ``row`` and, for vendored and user files, ``fields``:
 the row's other columns (gsm8k: ``solution``, the worked answer text).
+
+Instruction and answer format. Each source has an answer kind and a default instruction
+(:func:`source_format`): the numeric sets ask for "the final answer as a number after
+'Answer:'", reasoning-gym tasks for "the final answer after 'Answer:', in the form the question
+asks for" (their answers are often words, graded by the task's own scorer), user files for "the
+final answer after 'Answer:'". ``data.instruction`` uses it unless the config sets one.
 """
 
 from __future__ import annotations
@@ -75,7 +81,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import unquote
 
 from conveyor.types import Sample
@@ -86,13 +92,19 @@ __all__ = [
     "RG_DEFAULT_SEED",
     "RG_DEFAULT_SIZE",
     "RG_HELDOUT_SEED_OFFSET",
+    "INSTRUCTION_MATH",
+    "INSTRUCTION_NUMBER",
+    "INSTRUCTION_TEXT",
     "DatasetError",
     "DatasetLoad",
+    "SourceFormat",
+    "default_instruction",
     "format_number",
     "list_datasets",
     "load_dataset",
     "load_dataset_report",
     "parse_gsm8k_answer",
+    "source_format",
 ]
 
 DATA_DIR: Path = Path(__file__).with_name("files")
@@ -144,6 +156,91 @@ class DatasetLoad:
 
 class _RowError(Exception):
     """A single row cannot be turned into a sample (internal; becomes DatasetError or a skip)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Instruction and answer format per data source
+
+AnswerKind = Literal["number", "math", "text"]
+
+INSTRUCTION_NUMBER: str = "Give the final answer as a number after 'Answer:'."
+"""Default instruction of the numeric sets (gsm8k, mawps, svamp, aime24, amc23)."""
+
+INSTRUCTION_MATH: str = "Give the final answer after 'Answer:'."
+"""Default instruction of user files (``file:``): answers may be numbers or expressions."""
+
+INSTRUCTION_TEXT: str = "Give the final answer after 'Answer:', in the form the question asks for."
+"""Default instruction of reasoning-gym tasks: answers may be words, lists, letters or numbers,
+in the format the task's question states."""
+
+_NUMBER_SOURCES = ("gsm8k", "mawps", "svamp", "aime24", "amc23")
+
+
+@dataclass(frozen=True)
+class SourceFormat:
+    """How a data source's answers are asked for and graded (:func:`source_format`).
+
+    Attributes:
+        answer_kind: ``"number"`` (every reference is one number), ``"math"`` (numbers or
+            expressions, compared by math-verify) or ``"text"`` (words, lists, letters or numbers;
+            reasoning-gym's own scorer decides).
+        instruction: The default instruction appended to each question (``data.instruction``
+            when the config does not set one).
+        scorer: ``"math"`` (:func:`conveyor.rewards.is_correct`, the grading policy of
+            :mod:`conveyor.rewards.math`) or ``"reasoning-gym"`` (the task's
+            ``score_answer``, applied to the marks of the response).
+    """
+
+    answer_kind: AnswerKind
+    instruction: str
+    scorer: Literal["math", "reasoning-gym"]
+
+
+def source_format(spec: str) -> SourceFormat:
+    """The answer format and default instruction of the data source named by ``spec``.
+
+    ================================  ==========  ============================================
+    spec                              kind        default instruction
+    ================================  ==========  ============================================
+    gsm8k, mawps, svamp, aime24,      number      :data:`INSTRUCTION_NUMBER` ("... as a number
+    amc23 (any split)                             after 'Answer:'.")
+    ``rg:<task>``                     text        :data:`INSTRUCTION_TEXT` (no "as a number":
+                                                  reasoning-gym answers are often words)
+    ``file:`` / a data file path      math        :data:`INSTRUCTION_MATH`
+    anything else                     math        :data:`INSTRUCTION_MATH`
+    ================================  ==========  ============================================
+
+    Only the spec is read (no file is opened, reasoning-gym is not imported), so this never
+    fails on a spec that :func:`load_dataset` would reject; that error comes from loading.
+
+    Args:
+        spec: A data set spec (see the module docstring), e.g. ``"mawps:singleop:train"``,
+            ``"rg:spell_backward?size=100"``, ``"file:/data/x.jsonl"``.
+
+    Returns:
+        The :class:`SourceFormat`.
+
+    Raises:
+        TypeError: If ``spec`` is not a str.
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"dataset spec must be a str, got {type(spec).__name__}")
+    base = spec.strip().partition("?")[0]
+    if base.startswith("rg:"):
+        return SourceFormat("text", INSTRUCTION_TEXT, "reasoning-gym")
+    if base.split(":", 1)[0] in _NUMBER_SOURCES:
+        return SourceFormat("number", INSTRUCTION_NUMBER, "math")
+    return SourceFormat("math", INSTRUCTION_MATH, "math")
+
+
+def default_instruction(spec: str) -> str:
+    """``source_format(spec).instruction``: the instruction used when ``data.instruction`` is not
+    set (see :func:`source_format`).
+
+    Raises:
+        TypeError: If ``spec`` is not a str.
+    """
+    return source_format(spec).instruction
 
 
 # --------------------------------------------------------------------------------------------
@@ -605,7 +702,12 @@ def _load_file(
             _norm_question(question), Sample(f"{prefix}/{index}", question, answer, spec, meta)
         )
 
-    return _load_rows(path, str(path), to_sample, skip_malformed, skipped), part
+    items = _load_rows(path, str(path), to_sample, skip_malformed, skipped)
+    if not items:  # an empty file would otherwise fail later, far from its name
+        why = (f"all {len(skipped)} rows are malformed (skipped)" if skipped
+               else "it has no rows (empty file)")
+        raise DatasetError(f"data file {path}: {why}")
+    return items, part
 
 
 def _rg_tasks() -> list[str]:

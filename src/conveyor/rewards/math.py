@@ -1,18 +1,105 @@
 """Math answer extraction, answer checking and the built-in math reward functions.
 
-The symbolic comparison is done by ``math-verify`` (``math_verify.parse`` / ``math_verify.verify``);
-this module only decides *which* part of a response is the final answer and cleans it up
-(currency, units, thousands separators, trailing period) before handing it over.
+The checker is the reward, so a false positive is a reward hack the policy will find (issue 10,
+section 4; the reward service of MISSION.md section 1). This module decides *which* part of a
+response is the final answer and reads it; the symbolic comparison itself is done by ``math-verify``
+(``math_verify.parse`` / ``math_verify.verify``), to which every comparison is handed after the
+normalisation below.
+
+Grading policy
+==============
+
+**Final-answer marks.** A response states its final answer with *marks* (:func:`extract_answers`):
+
+1. ``boxed``: the content of each outermost balanced ``\\boxed{...}`` / ``\\fbox{...}``;
+2. ``answer_xml``: the content of each ``<answer>...</answer>`` (reasoning-gym's own format);
+3. ``answer_tag``: the rest of the line after each ``"Answer:"`` (case-insensitive, markdown
+   ``**`` allowed; when the rest of the line is empty, the next non-empty line);
+4. ``hashes``: the rest of the line after each GSM8K ``"####"``.
+
+These are the *strict* marks. An *answer phrase* ``"... answer is X"`` (also an ``answer_tag``) is
+looser (``"the answer is easy to find"``), so only the *last* phrase of a response is a mark: next
+to the strict marks when the reference is a number (``"#### 1 ... The answer is 6."`` names two
+values), and only when there is no strict mark otherwise (a word answer after ``Answer:`` is not
+undone by an earlier sentence about the answer).
+
+**Every mark must be right.** A response is correct only when each of its marks equals the
+reference: ``\\boxed{2} then \\boxed{3}`` and ``Answer: 12`` followed by ``\\boxed{13}`` are wrong
+whatever the reference, ``\\boxed{3} ... \\boxed{3}`` is one answer given twice. When the reference
+is a number, marks without any digit (``"Answer: see below"``) are not answers and are skipped,
+unless every mark is digit-free.
+
+**Last-number fallback.** Only when the response has no mark at all, the final answer is the last
+number of the text *together with the numbers listed or offered as alternatives right before it
+on the same line* (joined by spaces, ``, ; & | ~ - – —``, ``or``, ``and``, ``to``, ``vs``, or
+any short phrase containing ``or``). ``"2 4 6 8"``, ``"between 12 and 13"`` and ``"10-12"`` thus
+name several values (wrong); ``"5 + 7 = 12"`` and ``"3 cats and -4 dogs"`` end in one value.
+
+**Hedges.** A final answer that names several different values is wrong. When the reference is a
+single number, an answer is read as numbers and text (:func:`read_answer`):
+
+* one distinct number with only words, units, currency and punctuation around it is that number
+  (``"12 apples"``, ``"x = 12"``, ``"12 (twelve)"``, ``"12, 12"``);
+* two or more distinct numbers with nothing but words / punctuation between them are a hedge
+  (``"12 or 13"``, ``"12, 13"``, ``"12 13"``, ``"between 12 and 13"``, ``"\\{12, 13\\}"``,
+  ``"12 apples and 13 pears"``), and so are several numbers in an expression that contains a
+  hedge operator (``or``, ``either``, ``±``, ``\\pm``, ``\\vee``, ``\\lor``, ``\\cup``, ``,``,
+  ``;``, ``...``, ``–``, ``\\approx``, ..., or a hyphen right between two numbers: the range
+  ``12-13``);
+* anything else with arithmetic or LaTeX commands is an expression: an operation on plain
+  numbers left for the reader (``"91 + 88"``, ``"28 + 35 = 63"``, ``"4 \\times 5"``) is wrong
+  (:func:`is_unevaluated_expression`), others (``"\\sqrt{144}"``, ``"2\\sqrt{2}"``) go to
+  math-verify, and must parse to a single number without free symbols (not a set, interval,
+  relation or ``12 + 0x``).
+
+When the reference is not a single number (``"\\frac{1}{\\sqrt{2}}"``, ``"(x+1)^2"``, a word),
+the answer is compared by math-verify after :func:`normalize_answer`; ``or`` / ``either`` /
+``\\pm`` / ``\\vee`` / ``\\lor`` in the answer but not in the reference make it wrong. Plain words
+(no digits, no LaTeX) also match case-insensitively.
+
+**Normalisation** (:func:`normalize_answer`, :func:`read_answer`), in order:
+
+* Unicode: vulgar fractions become ``n/d`` (``"1½"`` -> ``"1 1/2"``, ``"¾"`` -> ``"3/4"``);
+  superscripts become ``^{...}`` (``"m²"`` -> ``"m^{2}"``); decimal digits of any script become
+  ASCII (``unicodedata.decimal``: full-width, Arabic-Indic, Devanagari, ...); NFKC (no-break,
+  narrow no-break and thin spaces become spaces); the minus sign ``−`` and the hyphens ``‐ ‑``
+  become ``-``; the Arabic decimal / thousands separators become ``.`` / ``,``.
+* LaTeX and text: math delimiters, ``\\boxed``, ``\\left`` / ``\\right`` and markdown ``**`` are
+  dropped; ``\\text{}``-like commands are unwrapped; ``\\dfrac`` / ``\\tfrac`` become ``\\frac``;
+  LaTeX spacing (``\\, \\; \\! \\quad ~``) becomes a space; currency (``$ \\$ US$ USD € £ ¥ ₹``) and
+  degrees (``^\\circ``, ``°``) are dropped; ``\\%`` becomes ``%``.
+* Thousands separators (a number is one value, never several): commas (``1,234,567``), Indian
+  lakh grouping (``12,34,567``), apostrophes (``1'000``, ``1’000``), spaces of any width between
+  groups of exactly three digits (``1 000 000``), and dots only with two or more groups of exactly
+  three digits (``1.234.567``, optionally followed by a decimal comma: ``1.234.567,5``). A single
+  dot is a decimal point: ``1.234`` is 1.234, not 1234. A comma followed by other than three
+  digits separates numbers (``1,5`` is two numbers).
+* Mixed numbers: an integer followed by a *proper* fraction is their sum (``1 3/4``,
+  ``1\\frac{3}{4}``, ``1½`` -> 7/4); ``1 4/3`` and ``1 3`` are two numbers.
+* Scientific notation: ``2e3``, ``2.5E4``, ``4 \\times 10^{5}``, ``4×10⁵``, ``4*10^5`` become plain
+  decimals (lower-case ``e`` between digits is an exponent, never Euler's number); exponents
+  have at most three digits.
+* Units: an exponent on a unit word (``cm^2``, ``\\text{ cm}^2``, ``m²``, ``ft^{3}``) is dropped
+  with the unit; a unit is a word of two or more letters, or one of the letters ``m s g L``.
+  A single letter glued to a number (``12x``) is a product, not a unit.
+* Percentages: ``"50%"`` matches both 50 and 0.5, and ``"10"`` matches a reference ``"10%"``.
+
+Numbers are read exactly (``fractions.Fraction``) and handed to math-verify as exact decimals or
+``\\frac{p}{q}``. Number words (``"twelve"``) are not read.
 
 Reward functions follow ``RewardFn = Callable[[str, Sample], float]``: they take the response
 text and the data-set sample and return a reward (a plain float, no unit). They are run by
 :class:`conveyor.rewards.service.RewardService`, which adds timeouts and failure handling.
+reasoning-gym samples are scored by reasoning-gym's own scorer on the extracted marks (the
+lowest score of the marks; each mark tried raw and lightly cleaned), so word answers
+(``Answer: apple, banana``) are graded by the task that made them.
 
 Timeouts: math-verify bounds its own parsing / comparison with ``signal.alarm``, which only works
 in the main thread. :func:`is_correct` therefore passes math-verify's timeout (in whole seconds,
 :data:`MAIN_THREAD_TIMEOUT_S`) only when it runs in the main thread, and disables it
 (``parsing_timeout=None`` / ``timeout_seconds=None``) in any other thread, where the reward
-service's own timeout bounds the call instead.
+service's own timeout bounds the call instead. Everything this module does before math-verify
+is linear-time regular expressions on at most the response's length.
 """
 
 from __future__ import annotations
@@ -24,12 +111,16 @@ import re
 import signal
 import threading
 import time
+import unicodedata
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from decimal import Decimal, localcontext
+from fractions import Fraction
 from functools import lru_cache
 from typing import Any, Literal
 
+import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 from conveyor.types import Sample
@@ -39,7 +130,7 @@ logger = logging.getLogger(__name__)
 RewardFn = Callable[[str, Sample], float]
 """A reward function: ``(response text, sample) -> reward`` (float, no unit)."""
 
-AnswerSource = Literal["boxed", "answer_tag", "hashes", "last_number"]
+AnswerSource = Literal["boxed", "answer_xml", "answer_tag", "hashes", "last_number"]
 
 MAIN_THREAD_TIMEOUT_S = 5
 """math-verify's own signal-based timeout (whole seconds, per parse / comparison) in the main thread."""
@@ -66,34 +157,94 @@ _EXPR_ONLY = [ExprExtractionConfig()]
 
 @dataclass(frozen=True)
 class ExtractedAnswer:
-    """The final answer found in a response.
+    """A final answer (a *mark*) found in a response.
 
     Attributes:
-        raw: The answer text exactly as it appears in the response (e.g. the content of the last
-            ``\\boxed{...}``, or the rest of the line after ``"Answer:"``), stripped of surrounding
-            whitespace.
-        source: The rule that matched: ``"boxed"``, ``"answer_tag"``, ``"hashes"`` or
-            ``"last_number"`` (in precedence order, see :func:`extract_answer`).
+        raw: The answer text as it appears in the (Unicode-normalised, see the module docstring)
+            response: the content of a ``\\boxed{...}`` or ``<answer>...</answer>``, the rest of
+            the line after ``"Answer:"`` / ``"####"``, or for ``"last_number"`` the last number
+            with the numbers listed before it (``"2 4 6 8"``); stripped of surrounding whitespace.
+        source: The rule that matched: ``"boxed"``, ``"answer_xml"``, ``"answer_tag"``,
+            ``"hashes"`` or ``"last_number"`` (see :func:`extract_answers`).
     """
 
     raw: str
     source: AnswerSource
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of grading one response against a reference (:func:`grade`).
+
+    Attributes:
+        correct: Whether the response is graded correct.
+        reason: ``"correct"``, ``"wrong"`` (a single answer that differs), ``"hedge"`` (several
+            different values, in one mark or across marks), ``"unevaluated"`` (an operation on
+            numbers left for the reader), ``"no_answer"`` (nothing to grade), ``"too_long"``
+            (an answer over :data:`MAX_ANSWER_CHARS` that is not an exact string match) or
+            ``"error"`` (math-verify failed; logged at debug level).
+        answers: The raw text of the marks that were graded.
+    """
+
+    correct: bool
+    reason: str
+    answers: tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------- Unicode
+
+_VULGAR = {
+    "½": "1/2", "⅓": "1/3", "⅔": "2/3", "¼": "1/4", "¾": "3/4", "⅕": "1/5", "⅖": "2/5",
+    "⅗": "3/5", "⅘": "4/5", "⅙": "1/6", "⅚": "5/6", "⅐": "1/7", "⅛": "1/8", "⅜": "3/8",
+    "⅝": "5/8", "⅞": "7/8", "⅑": "1/9", "⅒": "1/10", "↉": "0/3",
+}  # fmt: skip
+_VULGAR_RE = re.compile(f"(\\d?)([{''.join(_VULGAR)}])")
+_SUPERSCRIPTS = {
+    "⁰": "0", "¹": "1", "²": "2", "³": "3", "⁴": "4", "⁵": "5", "⁶": "6", "⁷": "7", "⁸": "8",
+    "⁹": "9", "⁻": "-", "⁺": "+",
+}  # fmt: skip
+_SUPERSCRIPT_RE = re.compile(f"[{''.join(_SUPERSCRIPTS)}]+")
+_CHAR_MAP = str.maketrans({
+    "\u2212": "-", "\u2010": "-", "\u2011": "-", "\u2044": "/", "\u2215": "/",
+    "\u066b": ".", "\u066c": ",", "\u2019": "'",
+})  # fmt: skip
+
+
+def _ascii_digits(s: str) -> str:
+    """Replace decimal digits of any script (category Nd) by ASCII digits."""
+    if s.isascii():
+        return s
+    return "".join(
+        str(unicodedata.decimal(ch)) if not ("0" <= ch <= "9") and ch.isdecimal() else ch
+        for ch in s
+    )
+
+
+def _unicode_normalize(s: str) -> str:
+    """Unicode step of the normalisation (see the module docstring): vulgar fractions,
+    superscripts, digits of any script, NFKC, minus signs and separators. Linear in ``len(s)``."""
+    if s.isascii():
+        return s
+    s = _VULGAR_RE.sub(lambda m: f"{m.group(1)} {_VULGAR[m.group(2)]}" if m.group(1)
+                       else _VULGAR[m.group(2)], s)  # fmt: skip
+    s = _SUPERSCRIPT_RE.sub(lambda m: "^{" + "".join(_SUPERSCRIPTS[c] for c in m.group(0)) + "}", s)
+    s = _ascii_digits(s)
+    s = unicodedata.normalize("NFKC", s)
+    return s.translate(_CHAR_MAP)
+
+
 # --------------------------------------------------------------------------- extraction
 
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANSWER_TAG_RE = re.compile(
-    r"\banswer\b\**(?:\s+is\b|\s*:)\**:?\**\s*(?P<val>[^\n]*)",
+    r"\banswer\b\**(?:(?P<phrase>\s+is\b)|\s*:)\**:?\**\s*(?P<val>[^\n]*)",
     re.IGNORECASE,
 )
 _BRACE_RE = re.compile(r"\\[{}]|[{}]")  # escaped braces match as one (ignored) token
 _HASHES_RE = re.compile(r"####[ \t]*(?P<val>[^\n]*)")
-# A number not glued to a word: optional minus, thousands groups or plain digits, optional
-# decimals, optionally a plain fraction "a/b".
-_NUMBER_RE = re.compile(
-    r"(?<![\w.])(?:(?<![\d)])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+(?:\.\d+)?)?"
-)
+_XML_OPEN_RE = re.compile(r"<answer>", re.IGNORECASE)
+_XML_CLOSE_RE = re.compile(r"</answer>", re.IGNORECASE)
+_PRECEDENCE: dict[str, int] = {"boxed": 0, "answer_xml": 1, "answer_tag": 2, "hashes": 3}
 
 
 def _boxed_spans(text: str) -> list[tuple[int, int]]:
@@ -101,7 +252,7 @@ def _boxed_spans(text: str) -> list[tuple[int, int]]:
 
     One left-to-right pass with a brace stack (linear in ``len(text)``, so huge or adversarial
     responses stay cheap). Escaped braces ``\\{`` / ``\\}`` are not counted. A ``\\boxed{`` whose
-    brace never closes (a truncated response) yields nothing.
+    brace never closes (a truncated response) yields nothing. Nested boxes yield both spans.
     """
     box_opens = {m.end() - 1 for m in _BOXED_RE.finditer(text)}
     if not box_opens:
@@ -119,65 +270,222 @@ def _boxed_spans(text: str) -> list[tuple[int, int]]:
     return spans
 
 
-def _last_tagged_value(pattern: re.Pattern[str], text: str) -> str | None:
-    """Return the value group of the last match of ``pattern`` whose value is non-empty."""
-    value = None
-    for m in pattern.finditer(text):
+def _outermost(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The spans not contained in another span, in text order."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if out and start < out[-1][1]:
+            continue
+        out.append((start, end))
+    return out
+
+
+def _xml_spans(text: str) -> list[tuple[int, int]]:
+    """``(content_start, content_end)`` of each ``<answer>...</answer>`` (innermost pairing)."""
+    events = [(m.start(), m.end(), True) for m in _XML_OPEN_RE.finditer(text)]
+    if not events:
+        return []
+    events += [(m.start(), m.end(), False) for m in _XML_CLOSE_RE.finditer(text)]
+    spans, last_open = [], None
+    for start, end, is_open in sorted(events):
+        if is_open:
+            last_open = end
+        elif last_open is not None:
+            spans.append((last_open, start))
+            last_open = None
+    return spans
+
+
+@dataclass(frozen=True)
+class _Mark:
+    pos: int
+    raw: str
+    source: AnswerSource
+    strict: bool
+
+
+def _marks(text: str) -> list[_Mark]:
+    """Every final-answer mark of ``text`` (already Unicode-normalised), in text order."""
+    marks: list[_Mark] = []
+    for start, end in _outermost(_boxed_spans(text)):
+        if text[start:end].strip():
+            marks.append(_Mark(start, text[start:end].strip(), "boxed", True))
+    for start, end in _xml_spans(text):
+        if text[start:end].strip():
+            marks.append(_Mark(start, text[start:end].strip(), "answer_xml", True))
+    for m in _ANSWER_TAG_RE.finditer(text):
         val = m.group("val").strip().strip("*").strip()
         if val:
-            value = val
-    return value
+            marks.append(_Mark(m.start(), val, "answer_tag", m.group("phrase") is None))
+    for m in _HASHES_RE.finditer(text):
+        val = m.group("val").strip().strip("*").strip()
+        if val:
+            marks.append(_Mark(m.start(), val, "hashes", True))
+    marks.sort(key=lambda mk: mk.pos)
+    return marks
 
 
-def extract_answer(text: str) -> ExtractedAnswer | None:
-    """Find the final answer in a model response.
+def _select(marks: list[_Mark], numeric: bool) -> list[_Mark]:
+    """The marks that make the final answer (module docstring): every strict mark and the last
+    answer phrase (``numeric``), or the strict marks, else the last phrase (otherwise)."""
+    strict = [mk for mk in marks if mk.strict]
+    last_phrase = [mk for mk in marks if not mk.strict][-1:]
+    if numeric:
+        return sorted(strict + last_phrase, key=lambda mk: mk.pos)
+    return strict or last_phrase
 
-    Precedence (the first rule that finds something wins; within a rule the *last* occurrence
-    in the text wins):
 
-    1. ``"boxed"``: the content of the last balanced ``\\boxed{...}`` (or ``\\fbox{...}``);
-       nested braces are matched; an unclosed ``\\boxed{`` is ignored.
-    2. ``"answer_tag"``: the rest of the line after ``"Answer:"`` or ``"answer is"``
-       (case-insensitive, markdown ``**`` allowed, e.g. ``"The final answer is 42."``); when
-       that is empty, the next non-empty line.
-    3. ``"hashes"``: the rest of the line after GSM8K's ``"#### "``.
-    4. ``"last_number"``: the last number in the text (``-3``, ``1,000``, ``2.5``, ``7/2``).
+def _final_answers(text: str, numeric: bool, normalize: bool = True) -> list[ExtractedAnswer]:
+    """:func:`extract_answers` for a numeric (or not) reference; ``normalize=False`` keeps the
+    marks as written (reasoning-gym word answers)."""
+    norm = _unicode_normalize(text)
+    chosen = _select(_marks(norm if normalize else text), numeric)
+    if chosen:
+        return [ExtractedAnswer(mk.raw, mk.source) for mk in chosen]
+    run = _last_number_run(norm)
+    return [ExtractedAnswer(run, "last_number")] if run is not None else []
+
+
+def extract_answers(text: str) -> list[ExtractedAnswer]:
+    """All the final-answer marks of a response, in text order (see the module's grading policy).
+
+    Every strict mark (``\\boxed{}``, ``<answer></answer>``, ``Answer:``, ``####``) and the last
+    ``"... answer is X"`` phrase; when there is none, the last-number fallback (the last number
+    with the numbers listed before it, source ``"last_number"``); otherwise ``[]``. This is the
+    selection used for a numeric reference; for any other reference the phrase is dropped when
+    strict marks exist.
 
     Args:
-        text: The response text. Any string is accepted (empty, huge, broken LaTeX).
+        text: The response text (any string; it is Unicode-normalised first).
 
     Returns:
-        The :class:`ExtractedAnswer`, or None when no rule matches (e.g. empty text or text
-        without any number).
+        The marks, possibly empty. ``raw`` is taken from the Unicode-normalised text (for
+        ``"last_number"``, from the fully normalised text: ``"$1,000.50"`` gives ``"1000.50"``).
 
     Raises:
         TypeError: If ``text`` is not a ``str``.
     """
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
-    spans = _boxed_spans(text)
-    for start, end in sorted(spans, key=lambda s: s[1], reverse=True):
-        content = text[start:end].strip()
-        if content:
-            return ExtractedAnswer(content, "boxed")
-    value = _last_tagged_value(_ANSWER_TAG_RE, text)
-    if value is not None:
-        return ExtractedAnswer(value, "answer_tag")
-    value = _last_tagged_value(_HASHES_RE, text)
-    if value is not None:
-        return ExtractedAnswer(value, "hashes")
-    last = None
-    for last in _NUMBER_RE.finditer(text):  # noqa: B007 - only the last match is wanted
-        pass
-    if last is not None:
-        return ExtractedAnswer(last.group(0), "last_number")
-    return None
+    return _final_answers(text, numeric=True)
+
+
+def extract_answer(text: str) -> ExtractedAnswer | None:
+    """The single final answer of a response: of :func:`extract_answers`, the last mark of the
+    highest-precedence kind.
+
+    Precedence: ``"boxed"`` (the last balanced ``\\boxed{...}`` / ``\\fbox{...}``; nested braces
+    are matched; an unclosed ``\\boxed{`` is ignored) > ``"answer_xml"`` > ``"answer_tag"``
+    (``"Answer:"`` or the last ``"answer is"``; when the rest of the line is empty, the next
+    non-empty line) > ``"hashes"`` (GSM8K ``"####"``) > ``"last_number"``
+    (the last number with the numbers listed before it: ``"10-12"``, ``"7/2"``, ``"-6"``).
+
+    Grading uses every mark (:func:`grade`); this function only names the one a reader would.
+
+    Args:
+        text: The response text. Any string is accepted (empty, huge, broken LaTeX).
+
+    Returns:
+        The :class:`ExtractedAnswer`, or None when nothing matches (e.g. empty text or text
+        without any number).
+
+    Raises:
+        TypeError: If ``text`` is not a ``str``.
+    """
+    answers = extract_answers(text)
+    if not answers:
+        return None
+    best = min(_PRECEDENCE.get(a.source, 9) for a in answers)
+    return [a for a in answers if _PRECEDENCE.get(a.source, 9) == best][-1]
 
 
 # --------------------------------------------------------------------------- normalisation
 
-_TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox|textrm|mathbf)\s*\{([^{}]*)\}")
-_CURRENCY_RE = re.compile(r"(?:\\\$|\bUS\$|\$|\bUSD\b|€|£|¥|\\euro\b|\\pounds\b)\s*")
+_D = r"(?:\d+(?:\.\d+)?|\.\d+)"
+_TEXT_CMD_RE = re.compile(
+    r"\\(?:text|textbf|textit|textrm|textsf|texttt|mathrm|mathbf|mathit|mathsf|mbox|hbox"
+    r"|operatorname)\s*\{([^{}]*)\}"
+)
+_CURRENCY_RE = re.compile(r"(?:\\\$|\bUS\$|\$|\bUSD\b|€|£|¥|₹|\\euro\b|\\pounds\b|\\yen\b)\s*")
+_SPACING_RE = re.compile(r"\\[,;:! ]|\\q?quad\b|~|\\enspace\b|\\thinspace\b")
+_DEGREE_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°|\\degree\b|\\circ\b")
+_GROUP_LAKH_RE = re.compile(r"(?<![\w.,'])\d{1,2}(?:,\d{2})+,\d{3}(?![\d,])")
+_GROUP_COMMA_RE = re.compile(r"(?<![\w.,'])\d{1,3}(?:,\d{3})+(?![\d,])")
+_GROUP_APOS_RE = re.compile(r"(?<![\w.,'])\d{1,3}(?:'\d{3})+(?![\d'])")
+_GROUP_DOT_RE = re.compile(r"(?<![\w.,'])(\d{1,3}(?:\.\d{3}){2,})(?:,(\d+))?(?![\d.,])")
+_GROUP_SPACE_RE = re.compile(r"(?<![\w.,'/])\d{1,3}(?:[ \t]\d{3})+(?![\d/]|[ \t]*/)")
+_SCI_TIMES_RE = re.compile(
+    rf"(?<![\w.])(-?{_D})\s*(?:\\times|\\cdot|×|\*|·|x|X)\s*10\s*\^\s*"
+    r"(?:\{\s*([+-]?\d{1,3})\s*\}|([+-]?\d{1,3}))(?![\d.])"
+)
+_SCI_E_RE = re.compile(rf"(?<![\w.])({_D})[eE]([+-]?\d{{1,3}})(?![\w.])")
+_MIXED_LATEX_RE = re.compile(
+    r"(?<![\w.])(\d+)\s*\\frac\s*\{\s*(\d+)\s*\}\s*\{\s*(\d+)\s*\}"
+)
+_MIXED_PLAIN_RE = re.compile(r"(?<![\w.,/])(\d+)[ \t]+(\d+)[ \t]*/[ \t]*(\d+)(?![\d.]|[ \t]*/)")
+_UNIT_POWER_RE = re.compile(
+    r"(?<![A-Za-z\\])((?:[A-Za-z]{2,})|[msgL])\s*\^\s*(?:\{\s*-?[1-4]\s*\}|-?[1-4])(?![\d.])"
+)
+
+
+_BLANKS_RE = re.compile(r"[^\S\n]+")
+
+
+def _sci_to_decimal(mantissa: str, exponent: str) -> str:
+    """``("2.5", "4")`` -> ``"25000"``: the exact decimal of ``mantissa * 10**exponent``."""
+    value = Decimal(mantissa).scaleb(int(exponent))
+    text = format(value.normalize(), "f")
+    return text[:-2] if text.endswith(".0") else text
+
+
+def _mixed(whole: str, num: str, den: str, latex: bool) -> str | None:
+    """``1 3/4`` -> ``"7/4"``; None unless ``num / den`` is a proper fraction."""
+    n, d = int(num), int(den)
+    if d == 0 or n >= d:
+        return None
+    total = int(whole) * d + n
+    return f"\\frac{{{total}}}{{{d}}}" if latex else f"{total}/{d}"
+
+
+def _latex_clean(s: str) -> str:
+    """LaTeX, markdown, currency, spacing, grouping, scientific-notation, mixed-number and unit
+    steps of the normalisation (see the module docstring). ``s`` is already Unicode-normalised.
+    Linear-time regular expressions only."""
+    if "\\" in s or "{" in s:
+        s = _unwrap_boxes(s)
+        for _ in range(3):  # nested \text{\textbf{...}}
+            new = _TEXT_CMD_RE.sub(lambda m: f" {m.group(1)} ", s)
+            if new == s:
+                break
+            s = new
+        s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+        s = s.replace("\\left", "").replace("\\right", "").replace("\\%", "%")
+        s = s.replace("{,}", ",").replace("{.}", ".")
+        for delim in ("\\(", "\\)", "\\[", "\\]"):
+            s = s.replace(delim, " ")
+    s = s.replace("**", "")
+    s = _DEGREE_RE.sub("", s)
+    s = _SPACING_RE.sub(" ", s)
+    s = _CURRENCY_RE.sub("", s)
+    s = _GROUP_LAKH_RE.sub(lambda m: m.group(0).replace(",", ""), s)
+    s = _GROUP_COMMA_RE.sub(lambda m: m.group(0).replace(",", ""), s)
+    s = _GROUP_APOS_RE.sub(lambda m: m.group(0).replace("'", ""), s)
+    s = _GROUP_DOT_RE.sub(
+        lambda m: m.group(1).replace(".", "") + (f".{m.group(2)}" if m.group(2) else ""), s
+    )
+    s = _SCI_TIMES_RE.sub(lambda m: _sci_to_decimal(m.group(1), m.group(2) or m.group(3)), s)
+    s = _SCI_E_RE.sub(lambda m: _sci_to_decimal(m.group(1), m.group(2)), s)
+    s = _MIXED_LATEX_RE.sub(
+        lambda m: _mixed(m.group(1), m.group(2), m.group(3), True) or m.group(0), s
+    )
+    s = _MIXED_PLAIN_RE.sub(
+        lambda m: _mixed(m.group(1), m.group(2), m.group(3), False) or m.group(0), s
+    )
+    s = _GROUP_SPACE_RE.sub(lambda m: re.sub(r"[ \t]", "", m.group(0)), s)
+    s = _UNIT_POWER_RE.sub(lambda m: m.group(1), s)
+    return _BLANKS_RE.sub(" ", s).strip()
+
+
 _NUMBER_THEN_WORDS_RE = re.compile(
     r"^(?P<num>[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?\s*(?:%|\\%)?)\s*[A-Za-z]{2,}\b.*$",
     re.DOTALL,
@@ -205,15 +513,47 @@ def _unwrap_whole_boxed(s: str) -> str:
         s = s[start:end].strip()
 
 
+def _unwrap_boxes(s: str) -> str:
+    """Replace every balanced ``\\boxed{X}`` / ``\\fbox{X}`` in ``s`` by `` X `` (the marks were
+    already taken; inside an answer a box is only decoration). Linear in ``len(s)``."""
+    spans = _boxed_spans(s)
+    if not spans:
+        return s
+    command_start = {m.end(): m.start() for m in _BOXED_RE.finditer(s)}
+    drop = bytearray(len(s))
+    for start, end in spans:
+        cmd = command_start.get(start)
+        if cmd is not None:
+            drop[cmd:start] = b"\x01" * (start - cmd)
+            drop[end] = 1
+    return "".join(" " if drop[i] else ch for i, ch in enumerate(s))
+
+
+def _strip_wrappers(s: str) -> str:
+    """Strip trailing periods, surrounding math delimiters and a whole-string ``\\boxed{}``."""
+    s = s.strip()
+    for _ in range(3):  # delimiters and boxes can be stacked: "$\boxed{5}$."
+        before = s
+        s = s.rstrip(".").strip()
+        s = _unwrap_whole_boxed(_strip_math_delims(s))
+        if s == before:
+            break
+    return s
+
+
 def normalize_answer(answer: str) -> str:
     """Clean an extracted answer string before symbolic comparison.
 
-    Steps: strip math delimiters (``$...$``, ``\\(...\\)``, ``\\[...\\]``) and a whole-string
-    ``\\boxed{}``; unwrap ``\\text{}``-like commands; drop currency markers (``$``, ``\\$``,
-    ``USD``, ``€``, ``£``); drop trailing words after a leading number (units or prose:
-    ``"18 dollars"`` -> ``"18"``); reduce a prose sentence without LaTeX to its last number
-    (``"The total is 18"`` -> ``"18"``); drop a trailing sentence period and ``\\!`` / ``\\,`` spacing.
-    Thousands separators and ``%`` are left to math-verify.
+    Steps: the Unicode step of the module docstring; strip math delimiters (``$...$``,
+    ``\\(...\\)``, ``\\[...\\]``) and a whole-string ``\\boxed{}``; the LaTeX / currency /
+    grouping / scientific-notation / mixed-number / unit steps of the module docstring (``"1,000"`` ->
+    ``"1000"``, ``"2e3"`` -> ``"2000"``, ``"1 3/4"`` -> ``"7/4"``); drop trailing words after a
+    leading number (units or prose: ``"18 dollars"`` -> ``"18"``); reduce a prose sentence without
+    LaTeX to its last number (``"The total is 18"`` -> ``"18"``); drop a trailing period.
+    ``%`` is left to the comparison.
+
+    This is the cleaning of the general (non-numeric) comparison; answers to a numeric reference
+    are read with :func:`read_answer`, which also detects hedges.
 
     Args:
         answer: A raw answer string (e.g. :attr:`ExtractedAnswer.raw` or a reference answer).
@@ -226,24 +566,165 @@ def normalize_answer(answer: str) -> str:
     """
     if not isinstance(answer, str):
         raise TypeError(f"answer must be a str, got {type(answer).__name__}")
-    s = answer.strip()
-    for _ in range(3):  # delimiters and boxes can be stacked: "$\boxed{5}$."
-        before = s
-        s = s.rstrip(".").strip()
-        s = _unwrap_whole_boxed(_strip_math_delims(s))
-        if s == before:
-            break
-    s = _TEXT_CMD_RE.sub(lambda m: m.group(1), s)
-    s = s.replace("\\!", "").replace("\\,", "").replace("\\;", " ")
-    s = _CURRENCY_RE.sub("", s).strip()
+    s = _strip_wrappers(_unicode_normalize(answer))
+    s = _latex_clean(s)
     m = _NUMBER_THEN_WORDS_RE.match(s)
     if m:
         s = m.group("num").strip()
     elif "\\" not in s and _PROSE_RE.search(s):
-        numbers = _NUMBER_RE.findall(s)
+        numbers = _LOOSE_NUMBER_RE.findall(s)
         if numbers:
             s = numbers[-1]
     return s.rstrip(".").strip()
+
+
+# --------------------------------------------------------------------------- reading numbers
+
+_LOOSE_NUMBER_RE = re.compile(r"(?<![\w.])(?:(?<![\d)])-)?\d+(?:\.\d+)?(?:/\d+(?:\.\d+)?)?")
+_LITERAL_RE = re.compile(
+    rf"(?<![\w.])(?P<sign>(?<![\d)\]}}])-)?(?:"
+    rf"\\frac\s*\{{\s*(?P<fn>-?{_D})\s*\}}\s*\{{\s*(?P<fd>-?{_D})\s*\}}"
+    r"|\\frac(?P<fn2>\d)(?P<fd2>\d)"
+    rf"|(?P<num>{_D})(?:[ \t]*/[ \t]*(?P<den>{_D}))?"
+    r")(?P<pct>[ \t]*%)?"
+)
+_PLAIN_TOKEN_RE = re.compile(
+    r"\s+|\x00|[A-Za-z]+(?:[-'/.][A-Za-z]+)*|-[A-Za-z]+(?:[-'][A-Za-z]+)*"
+    r"|[.,:;!?()\[\]{}\"'=%#&|…–—]"
+)
+_DIGITS_RE = re.compile(r"\d+")
+_GLUED_LETTER_RE = re.compile(r"\x00[A-Za-z](?![A-Za-z])")
+_PERCENT_WORD_RE = re.compile(r"\bper\s*cent\b|\bpercent(?:age)?\b", re.IGNORECASE)
+_HEDGE_RE = re.compile(
+    r"\b(?:or|either|between|to|vs|versus|and)\b|±|∓|\\pm\b|\\mp\b|\\vee\b|\\lor\b|\\cup\b"
+    r"|\\wedge\b|\\land\b|\\ldots\b|\\cdots\b|\\dots\b|\\approx\b|\\sim\b|\\mid\b|\\\\|\\\{"
+    r"|\.\.|…|[,;|&–—]|\x00-\x00",  # the last: a range "12-13" (no spaces)
+    re.IGNORECASE,
+)
+_HEDGE_WORDS_RE = re.compile(
+    r"\b(?:or|either)\b|±|∓|\\pm\b|\\mp\b|\\vee\b|\\lor\b", re.IGNORECASE
+)
+
+
+@dataclass(frozen=True)
+class AnswerReading:
+    """How an answer reads as numbers (:func:`read_answer`).
+
+    Attributes:
+        kind: ``"number"`` (one distinct number among words / units / punctuation), ``"hedge"``
+            (several different numbers offered side by side), ``"expression"`` (arithmetic or
+            LaTeX around the numbers: left to math-verify), ``"empty"`` (no digit at all).
+        values: The distinct numbers in order of appearance (exact).
+        percent: Whether the number carries ``%`` (or the word percent).
+        text: The normalised text that was read.
+    """
+
+    kind: Literal["number", "hedge", "expression", "empty"]
+    values: tuple[Fraction, ...]
+    percent: bool
+    text: str
+
+
+def _literal_value(m: re.Match[str]) -> Fraction | None:
+    """The exact value of a ``_LITERAL_RE`` match (None if a denominator is zero)."""
+    if m.group("fn") is not None:
+        num, den = Fraction(m.group("fn")), Fraction(m.group("fd"))
+    elif m.group("fn2") is not None:
+        num, den = Fraction(m.group("fn2")), Fraction(m.group("fd2"))
+    else:
+        num = Fraction(m.group("num"))
+        den = Fraction(m.group("den")) if m.group("den") is not None else Fraction(1)
+    if den == 0:
+        return None
+    value = num / den
+    return -value if m.group("sign") else value
+
+
+def _read_clean(text: str) -> AnswerReading:
+    """:func:`read_answer` on text that already went through the normalisation steps."""
+    values: list[Fraction] = []
+    percent = False
+    parts: list[str] = []
+    prev = 0
+    bad_literal = False
+    for m in _LITERAL_RE.finditer(text):
+        value = _literal_value(m)
+        if value is None:
+            bad_literal = True
+            continue
+        parts.append(text[prev : m.start()])
+        parts.append("\x00")
+        prev = m.end()
+        percent = percent or m.group("pct") is not None
+        if value not in values:
+            values.append(value)
+    parts.append(text[prev:])
+    residual = "".join(parts)
+    if not values:
+        kind = "expression" if any(c.isdigit() for c in text) else "empty"
+        return AnswerReading(kind, (), False, text)
+    percent = percent or _PERCENT_WORD_RE.search(residual) is not None
+    plain = (
+        not bad_literal
+        and not _PLAIN_TOKEN_RE.sub("", residual)
+        and _GLUED_LETTER_RE.search(residual) is None
+    )
+    stray = len(_DIGITS_RE.findall(residual))  # digits glued to words or dots ("12...13")
+    if len(values) + stray > 1 and (plain or _HEDGE_RE.search(residual)):
+        return AnswerReading("hedge", tuple(values), percent, text)
+    if plain:
+        return AnswerReading("number", tuple(values), percent, text)
+    return AnswerReading("expression", tuple(values), percent, text)
+
+
+def read_answer(answer: str) -> AnswerReading:
+    """Read an answer as numbers: one number, a hedge, an expression, or no digit at all.
+
+    The answer goes through the normalisation of the module docstring (Unicode, LaTeX, currency,
+    thousands separators, mixed numbers, scientific notation, unit exponents); then its numbers
+    (``12``, ``-3.5``, ``7/4``, ``\\frac{7}{4}``, ``50%``) are found and what is left around them
+    decides the kind (see the module's grading policy).
+
+    Args:
+        answer: An answer string (a mark's raw text, or a reference answer).
+
+    Returns:
+        The :class:`AnswerReading`.
+
+    Raises:
+        TypeError: If ``answer`` is not a ``str``.
+    """
+    if not isinstance(answer, str):
+        raise TypeError(f"answer must be a str, got {type(answer).__name__}")
+    return _read_clean(_latex_clean(_strip_wrappers(_unicode_normalize(answer))))
+
+
+_RUN_GAP_RE = re.compile(
+    r"[ \t]*(?:[,;&|~–—-][ \t]*)?(?:(?:or|and|to|vs\.?|versus|through)[ \t]+)?",
+    re.IGNORECASE,
+)
+_OR_GAP_RE = re.compile(r"[^\n\d]{0,30}", re.IGNORECASE)
+_OR_RE = re.compile(r"\bor\b", re.IGNORECASE)
+
+
+def _last_number_run(text: str) -> str | None:
+    """The last-number fallback: the last number of ``text`` (Unicode-normalised) with the numbers
+    joined to it as a list or as alternatives on the same line, as one string; None if no
+    number."""
+    clean = _latex_clean(text)
+    literals = [m for m in _LITERAL_RE.finditer(clean)]
+    if not literals:
+        return None
+    first = len(literals) - 1
+    while first > 0:
+        gap = clean[literals[first - 1].end() : literals[first].start()]
+        joined = _RUN_GAP_RE.fullmatch(gap) is not None or (
+            _OR_GAP_RE.fullmatch(gap) is not None and _OR_RE.search(gap) is not None
+        )
+        if not joined:
+            break
+        first -= 1
+    return clean[literals[first].start() : literals[-1].end()].strip()
 
 
 # --------------------------------------------------------------------------- comparison
@@ -290,11 +771,66 @@ def _variants(answer: str) -> list[str]:
     return out
 
 
-def _answers_match(predicted: str, reference: str, timeout: int | None) -> bool:
+def _canonical(value: Fraction) -> str:
+    """An exact string of ``value`` for math-verify: a finite decimal, else ``\\frac{p}{q}``."""
+    if value.denominator == 1:
+        return str(value.numerator)
+    den = value.denominator
+    for p in (2, 5):
+        while den % p == 0:
+            den //= p
+    if den == 1:
+        digits = len(str(value.numerator)) + len(str(value.denominator)) + 5
+        with localcontext() as ctx:
+            ctx.prec = digits
+            return format((Decimal(value.numerator) / Decimal(value.denominator)).normalize(), "f")
+    sign = "-" if value < 0 else ""
+    return f"{sign}\\frac{{{abs(value.numerator)}}}{{{value.denominator}}}"
+
+
+def _value_variants(reading: AnswerReading) -> list[Fraction]:
+    value = reading.values[0]
+    return [value, value / 100] if reading.percent else [value]
+
+
+def _numbers_match(pred: AnswerReading, gold: AnswerReading, timeout: int | None) -> bool:
+    """One number against a numeric reference: exact equality, else math-verify on the exact
+    strings (percent variants on both sides)."""
+    for g in _value_variants(gold):
+        gold_parsed = None
+        for p in _value_variants(pred):
+            if p == g:
+                return True
+            if gold_parsed is None:
+                gold_parsed = _parse(_canonical(g), timeout)
+            target = _parse(_canonical(p), timeout)
+            if gold_parsed and target and verify(gold_parsed, target, timeout_seconds=timeout):
+                return True
+    return False
+
+
+def _single_number(parsed: list[Any]) -> bool:
+    """Whether math-verify's parse is one number (a sympy expression without free symbols)."""
+    if not parsed:
+        return False
+    expr = parsed[0]
+    return isinstance(expr, sympy.Expr) and not expr.free_symbols
+
+
+def _general_match(predicted: str, reference: str, timeout: int | None) -> bool:
+    """The comparison for a reference that is not a single number (module docstring)."""
     pred_norm, ref_norm = normalize_answer(predicted), normalize_answer(reference)
     if not pred_norm or not ref_norm:
         return False
+    if _HEDGE_WORDS_RE.search(pred_norm) and not _HEDGE_WORDS_RE.search(ref_norm):
+        return False
     if pred_norm == ref_norm:
+        return True
+    if (
+        "\\" not in pred_norm + ref_norm
+        and not any(c.isdigit() for c in pred_norm + ref_norm)
+        and " ".join(pred_norm.casefold().split()) == " ".join(ref_norm.casefold().split())
+    ):
         return True
     if len(pred_norm) > MAX_ANSWER_CHARS or len(ref_norm) > MAX_ANSWER_CHARS:
         return False
@@ -309,20 +845,98 @@ def _answers_match(predicted: str, reference: str, timeout: int | None) -> bool:
     return False
 
 
-def answers_match(predicted: str, reference: str) -> bool:
-    """Whether two answer strings are mathematically equal according to math-verify.
+def _grade_numeric(raw: str, gold: AnswerReading, timeout: int | None) -> str:
+    """Reason (see :class:`Verdict`) for one answer against a numeric reference."""
+    reading = read_answer(raw)
+    if reading.kind == "hedge":
+        return "hedge"
+    if reading.kind == "number":
+        return "correct" if _numbers_match(reading, gold, timeout) else "wrong"
+    if is_unevaluated_expression(reading.text):
+        return "unevaluated"
+    if reading.kind == "empty" and not reading.text:
+        return "no_answer"
+    target = _parse(reading.text, timeout)
+    if not _single_number(target):
+        return "wrong"
+    for g in _value_variants(gold):
+        gold_parsed = _parse(_canonical(g), timeout)
+        if gold_parsed and verify(gold_parsed, target, timeout_seconds=timeout):
+            return "correct"
+    return "wrong"
 
-    Both strings go through :func:`normalize_answer`, then are parsed as LaTeX (falling back to
-    a plain expression) and compared with ``math_verify.verify`` (reference as gold). A trailing
-    ``%`` is also tried without the sign on either side, so ``"50%"`` matches both ``"50"`` and
-    ``"0.5"``. Safe in any thread (see the module docstring about timeouts).
+
+def _grade_general(raw: str, reference: str, timeout: int | None) -> str:
+    """Reason (see :class:`Verdict`) for one answer against a non-numeric reference."""
+    if is_unevaluated_expression(_latex_clean(_unicode_normalize(raw))):
+        return "unevaluated"
+    if _HEDGE_WORDS_RE.search(normalize_answer(raw)) and not _HEDGE_WORDS_RE.search(
+        normalize_answer(reference)
+    ):
+        return "hedge"
+    return "correct" if _general_match(raw, reference, timeout) else "wrong"
+
+
+def _numeric_reference(reference: str) -> AnswerReading | None:
+    """The reading of a reference that is a single number, else None."""
+    if len(reference) > MAX_ANSWER_CHARS:
+        return None
+    gold = read_answer(reference)
+    return gold if gold.kind == "number" and len(gold.values) == 1 else None
+
+
+def _grade_answers(answers: list[str], reference: str, timeout: int | None) -> Verdict:
+    """Grade the marks of one response: every mark must be right (module docstring)."""
+    if not answers:
+        return Verdict(False, "no_answer")
+    gold = _numeric_reference(reference)
+    numeric = gold is not None
+    if numeric:
+        with_digits = [a for a in answers if any(c.isdigit() for c in _unicode_normalize(a))]
+        answers = with_digits or answers[-1:]
+    reasons = []
+    for raw in answers:
+        if len(raw) > MAX_ANSWER_CHARS or len(reference) > MAX_ANSWER_CHARS:
+            reasons.append("correct" if raw.strip() == reference.strip() else "too_long")
+        elif numeric:
+            reasons.append(_grade_numeric(raw, gold, timeout))  # type: ignore[arg-type]
+        else:
+            reasons.append(_grade_general(raw, reference, timeout))
+    bad = [r for r in reasons if r != "correct"]
+    if not bad:
+        return Verdict(True, "correct", tuple(answers))
+    if len(answers) > 1 and "correct" in reasons:
+        return Verdict(False, "hedge", tuple(answers))  # right once, wrong elsewhere
+    return Verdict(False, bad[0], tuple(answers))
+
+
+def _with_timeout(fn: Callable[[int | None], Verdict]) -> Verdict:
+    """Run ``fn(timeout)`` with math-verify's timeout in the main thread, none elsewhere; any
+    error is a wrong answer (logged at debug level)."""
+    try:
+        if _in_main_thread():
+            with _keep_outer_alarm():
+                return fn(MAIN_THREAD_TIMEOUT_S)
+        return fn(None)
+    except Exception:  # noqa: BLE001 - weird model output must never crash a reward
+        logger.debug("answer comparison failed", exc_info=True)
+        return Verdict(False, "error")
+
+
+def answers_match(predicted: str, reference: str) -> bool:
+    """Whether one answer string equals the reference, by the grading policy of the module
+    docstring (hedges are wrong) and math-verify.
+
+    ``"50%"`` matches both ``"50"`` and ``"0.5"``; ``"1 3/4"`` matches ``"1.75"``; ``"12 or 13"``
+    matches nothing. Safe in any thread (see the module docstring about timeouts).
 
     Args:
         predicted: The model's answer (already extracted, e.g. :attr:`ExtractedAnswer.raw`).
         reference: The reference answer.
 
     Returns:
-        True when equal; False when different, unparsable, empty, or on any internal error.
+        True when equal; False when different, a hedge, unparsable, empty, or on any internal
+        error.
 
     Raises:
         TypeError: If either argument is not a ``str``.
@@ -330,22 +944,43 @@ def answers_match(predicted: str, reference: str) -> bool:
     for name, value in (("predicted", predicted), ("reference", reference)):
         if not isinstance(value, str):
             raise TypeError(f"{name} must be a str, got {type(value).__name__}")
-    try:
-        if _in_main_thread():
-            with _keep_outer_alarm():
-                return _answers_match(predicted, reference, MAIN_THREAD_TIMEOUT_S)
-        return _answers_match(predicted, reference, None)
-    except Exception:  # noqa: BLE001 - weird model output must never crash a reward
-        logger.debug("answer comparison failed", exc_info=True)
-        return False
+    return _with_timeout(lambda t: _grade_answers([predicted], reference, t)).correct
+
+
+def grade(response: str, reference: str) -> Verdict:
+    """Grade a response against a reference answer, with the reason (module grading policy).
+
+    The marks are found with :func:`extract_answers`; each must equal the reference.
+
+    Args:
+        response: The model's response text (any string).
+        reference: The reference answer (e.g. ``Sample.answer``).
+
+    Returns:
+        The :class:`Verdict`; never raises on odd response content.
+
+    Raises:
+        TypeError: If ``response`` or ``reference`` is not a ``str``.
+    """
+    if not isinstance(response, str):
+        raise TypeError(f"response must be a str, got {type(response).__name__}")
+    if not isinstance(reference, str):
+        raise TypeError(f"reference must be a str, got {type(reference).__name__}")
+
+    def run(timeout: int | None) -> Verdict:
+        numeric = _numeric_reference(reference) is not None
+        answers = [a.raw for a in _final_answers(response, numeric)]
+        return _grade_answers(answers, reference, timeout)
+
+    return _with_timeout(run)
 
 
 def is_correct(response: str, reference: str) -> bool:
-    """Whether the final answer of ``response`` equals ``reference``.
+    """Whether the final answer of ``response`` equals ``reference`` (``grade(...).correct``).
 
-    The answer is found with :func:`extract_answer` and compared with :func:`answers_match`
-    (math-verify): ``\\frac{1}{2}`` = ``0.5`` = ``1/2``, ``"1,000"`` = ``"1000"``,
-    ``"$18.00"`` = ``"18"`` = ``"18 dollars"``, ``"43.0"`` = ``"43"``, ``"50%"`` = ``"50"``.
+    Examples: ``\\frac{1}{2}`` = ``0.5`` = ``1/2``, ``"1,000"`` = ``"1 000"`` = ``"1000"``,
+    ``"$18.00"`` = ``"18"`` = ``"18 dollars"``, ``"43.0"`` = ``"43"``, ``"50%"`` = ``"50"``,
+    ``"1 3/4"`` = ``"1.75"``, ``"2e3"`` = ``"2000"``; ``"12 or 13"`` equals nothing.
 
     Args:
         response: The model's response text (any string).
@@ -358,14 +993,7 @@ def is_correct(response: str, reference: str) -> bool:
     Raises:
         TypeError: If ``response`` or ``reference`` is not a ``str``.
     """
-    if not isinstance(response, str):
-        raise TypeError(f"response must be a str, got {type(response).__name__}")
-    if not isinstance(reference, str):
-        raise TypeError(f"reference must be a str, got {type(reference).__name__}")
-    extracted = extract_answer(response)
-    if extracted is None or is_unevaluated_expression(extracted.raw):
-        return False
-    return answers_match(extracted.raw, reference)
+    return grade(response, reference).correct
 
 
 # Two numbers joined by an arithmetic operator: "91 + 88", "10 × 22", "45 - 9", "3*4", "8 \\times 3".
@@ -383,7 +1011,8 @@ def is_unevaluated_expression(answer: str) -> bool:
     ``"179"``; a policy trained with that verifier learns to write the operation instead of the
     result (observed on MAWPS with SmolLM2-135M). Only purely numeric expressions are matched:
     fractions (``1/2``, ``\\frac{1}{2}``), negative numbers (``-5``) and symbolic answers with
-    letters (``x^2+2x+1``, ``\\sqrt{2}+1``) are values.
+    letters (``x^2+2x+1``, ``\\sqrt{2}+1``) are values. Scientific notation (``4 \\times 10^{5}``)
+    is a value: it is rewritten to a plain number before this check.
     """
     if re.search(r"[A-Za-z]", re.sub(r"\\(?:times|cdot|div|left|right)", "", answer)):
         return False  # symbolic answers ("x^2+2x+1", "\\sqrt{2}+1") are values of their own kind
@@ -400,7 +1029,9 @@ def format_ok(response: str) -> bool:
 
     * the response contains a balanced ``\\boxed{...}`` with non-empty content, or
     * its last non-empty line starts with ``"Answer:"`` (case-insensitive, markdown such as
-      ``"**Answer:**"`` allowed) followed by a value.
+      ``"**Answer:**"`` allowed) followed by a value (a number, words or an expression: word
+      answers of reasoning-gym tasks count), or
+    * it ends with a non-empty ``<answer>...</answer>`` (reasoning-gym's format).
 
     ``"The answer is 42"`` or a bare trailing number do *not* count.
 
@@ -418,7 +1049,14 @@ def format_ok(response: str) -> bool:
     if any(response[a:b].strip() for a, b in _boxed_spans(response)):
         return True
     lines = [line for line in response.splitlines() if line.strip()]
-    return bool(lines) and _FINAL_ANSWER_LINE_RE.match(lines[-1].strip()) is not None
+    if lines and _FINAL_ANSWER_LINE_RE.match(lines[-1].strip()) is not None:
+        return True
+    opens = list(_XML_OPEN_RE.finditer(response))
+    if not opens:
+        return False
+    tail = response[opens[-1].end() :].rstrip()
+    closed = tail[-len("</answer>") :].lower() == "</answer>"
+    return closed and bool(tail[: -len("</answer>")].strip())
 
 
 # --------------------------------------------------------------------------- reward functions
@@ -443,22 +1081,40 @@ def _rg_task(sample: Sample) -> str:
     return task
 
 
+_RG_QUOTES = "\"'`"
+
+
+def _rg_candidates(raw: str) -> list[str]:
+    """One mark's text as given to a reasoning-gym scorer: raw, then lightly cleaned (math
+    delimiters, whole ``\\boxed{}``, ``\\text{}``, markdown ``**``, surrounding quotes and a
+    trailing period removed)."""
+    out = [raw]
+    s = _strip_wrappers(raw)
+    s = _TEXT_CMD_RE.sub(lambda m: m.group(1), s).strip().strip("*").strip()
+    if len(s) >= 2 and s[0] == s[-1] and s[0] in _RG_QUOTES:
+        s = s[1:-1].strip()
+    s = s.rstrip(".").strip()
+    if s and s not in out:
+        out.append(s)
+    return out
+
+
 def _rg_correctness(response: str, sample: Sample) -> float:
-    """reasoning-gym's own scorer on the extracted answer (raw, and lightly cleaned)."""
+    """reasoning-gym's own scorer on the response's marks: each mark is scored raw and lightly
+    cleaned (the better of the two counts), and the response gets the lowest score of its marks
+    (every mark must be right, as in :func:`grade`). Marks are read from the response as written
+    (no Unicode normalisation: word answers are compared by the task's own scorer)."""
     entry = sample.metadata["rg_entry"]
     if not isinstance(entry, dict):
         raise ValueError(
             f"sample {sample.id!r}: metadata['rg_entry'] must be a dict, got {type(entry).__name__}"
         )
     scorer = _rg_scorer(_rg_task(sample))
-    extracted = extract_answer(response)
-    if extracted is None:
-        return float(scorer(None, entry))
-    candidates = [extracted.raw]
-    cleaned = _strip_math_delims(extracted.raw.rstrip(".").strip())
-    if cleaned != extracted.raw:
-        candidates.append(cleaned)
-    score = max(float(scorer(c, entry)) for c in candidates)
+    chosen = [a.raw for a in _final_answers(response, numeric=False, normalize=False)]
+    if not chosen:
+        score = float(scorer(None, entry))
+    else:
+        score = min(max(float(scorer(c, entry)) for c in _rg_candidates(raw)) for raw in chosen)
     if not math.isfinite(score):
         raise ValueError(f"reasoning-gym scorer for sample {sample.id!r} returned {score}")
     return min(max(score, 0.0), 1.0)
@@ -476,8 +1132,10 @@ def correctness_reward(response: str, sample: Sample) -> float:
 
     For reasoning-gym samples (``sample.metadata`` has ``"rg_entry"``, and ``"rg_task"`` or the
     entry's ``metadata.source_dataset``), reasoning-gym's own scorer
-    ``get_score_answer_fn(task)(answer, entry)`` is applied to the extracted answer (it can give
-    partial credit). Otherwise 1.0 if :func:`is_correct` against ``sample.answer``, else 0.0.
+    ``get_score_answer_fn(task)(answer, entry)`` is applied to each final-answer mark (``Answer:
+    <words>``, ``\\boxed{}``, ``<answer></answer>``; it can give partial credit) and the lowest
+    mark score counts. Otherwise 1.0 if :func:`is_correct` against ``sample.answer`` (the module's
+    grading policy), else 0.0.
 
     Args:
         response: The model's response text.

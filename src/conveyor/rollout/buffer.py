@@ -87,6 +87,7 @@ class TrajectoryBuffer:
         # itself is never compared.
         self._groups: list[tuple[int, int, list[Trajectory]]] = []
         self._seq = 0
+        self._dropped_log: list[dict] = []  # groups dropped as stale, not yet taken
         self._size = 0
         self._stats = {
             "put_groups": 0,
@@ -204,6 +205,17 @@ class TrajectoryBuffer:
         self._notify_drop(dropped)
         return batch
 
+    def take_dropped(self, *, keep: bool = False) -> list[dict]:
+        """Return the records of the groups dropped as stale since the last call and forget
+        them (``keep=True``: a copy, nothing forgotten, for checkpoints):
+        ``{"group", "sample", "outcome": "dropped_stale", "age"}`` each (the run's audit trail,
+        ``trained.jsonl``, lists them so every sample handed out is accounted for)."""
+        with self._cond:
+            out = list(self._dropped_log)
+            if not keep:
+                self._dropped_log = []
+            return out
+
     def drain(self) -> list[list[Trajectory]]:
         """Remove and return every buffered group, oldest first (e.g. to checkpoint them).
 
@@ -277,6 +289,9 @@ class TrajectoryBuffer:
         if cut == 0:
             return 0
         dropped = sum(len(g) for _, _, g in self._groups[:cut])
+        for _, _, g in self._groups[:cut]:  # the audit trail: which groups (take_dropped)
+            self._dropped_log.append({"group": g[0].group_id, "sample": g[0].sample.id,
+                                      "outcome": "dropped_stale", "age": group_version(g)})
         del self._groups[:cut]
         self._size -= dropped
         self._stats["dropped_stale"] += dropped

@@ -19,7 +19,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+from conveyor.data import DatasetError
 from conveyor.rollout.buffer import TrajectoryBuffer
+from conveyor.rollout.engine import PromptTooLongError
 from conveyor.rollout.staleness import StalenessManager
 from conveyor.rollout.workflow import RolloutWorkflow
 from conveyor.types import Sample, Trajectory
@@ -30,8 +32,9 @@ log = logging.getLogger(__name__)
 class DataStream:
     """Endless, seeded pass over a data set: each epoch is a fresh permutation.
 
-    State (for checkpoints): ``epoch``, ``pos`` (next index into the epoch's permutation) and
-    ``requeue`` (sample indices to serve first, e.g. episodes that were in flight at a checkpoint).
+    State (for checkpoints): ``epoch``, ``pos`` (next index into the epoch's permutation),
+    ``requeue`` (sample indices to serve first, e.g. episodes that were in flight at a checkpoint)
+    and ``skip`` (indices never served again, e.g. prompts longer than the model's context).
 
     Args:
         samples: The training samples (non-empty).
@@ -49,6 +52,7 @@ class DataStream:
         self.epoch = 0
         self.pos = 0
         self.requeue: list[int] = []
+        self.skip: set[int] = set()
         self._perm = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
@@ -57,27 +61,38 @@ class DataStream:
         return perm
 
     def next(self) -> tuple[int, Sample]:
-        """The next ``(index, sample)``."""
-        if self.requeue:
-            i = self.requeue.pop(0)
-            return i, self.samples[i]
-        if self.pos >= len(self._perm):
-            self.epoch += 1
-            self.pos = 0
-            self._perm = self._permutation(self.epoch)
-        i = self._perm[self.pos]
-        self.pos += 1
-        return i, self.samples[i]
+        """The next ``(index, sample)``, never one in :attr:`skip`.
+
+        Raises:
+            DatasetError: every sample is skipped (nothing left to train on).
+        """
+        if len(self.skip) >= len(self.samples):
+            raise DatasetError(f"all {len(self.samples)} training samples were skipped (prompts "
+                               "longer than the model's context); nothing is left to train on")
+        while True:
+            if self.requeue:
+                i = self.requeue.pop(0)
+            else:
+                if self.pos >= len(self._perm):
+                    self.epoch += 1
+                    self.pos = 0
+                    self._perm = self._permutation(self.epoch)
+                i = self._perm[self.pos]
+                self.pos += 1
+            if i not in self.skip:
+                return i, self.samples[i]
 
     def state_dict(self) -> dict:
-        """``{"epoch", "pos", "requeue"}`` (plain ints)."""
-        return {"epoch": self.epoch, "pos": self.pos, "requeue": list(self.requeue)}
+        """``{"epoch", "pos", "requeue", "skip"}`` (plain ints)."""
+        return {"epoch": self.epoch, "pos": self.pos, "requeue": list(self.requeue),
+                "skip": sorted(self.skip)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output."""
         self.epoch = int(state["epoch"])
         self.pos = int(state["pos"])
         self.requeue = [int(i) for i in state.get("requeue", [])]
+        self.skip = {int(i) for i in state.get("skip", [])}
         self._perm = self._permutation(self.epoch)
 
 
@@ -93,6 +108,7 @@ class ControllerStats:
     filter_cap_hits: int = 0
     reward_failures: int = 0  # trajectories
     trajectories_accepted: int = 0
+    prompts_too_long: int = 0  # samples skipped for good: prompt fills the model's context
     last_error: str | None = None
 
 
@@ -111,9 +127,21 @@ class RolloutController:
             ``max_filtered_in_a_row`` consecutive filtered groups the next one is accepted
             anyway and ``filter_cap_hits`` is incremented and logged.
         version: The published policy version at start.
+        max_failed_in_a_row: Stop (``error`` set, the runtime raises it) after this many
+            consecutive failed episodes: a systematic failure is reported, never retried forever.
+            The first failure is logged with its traceback, later ones in one line each (kept
+            off the console, which gets a count from the runtime).
+        on_skip: Called as ``on_skip(sample, reason)`` from the controller thread when a sample
+            is dropped for good (its prompt fills the model's context: ``PromptTooLongError``);
+            the sample is never served again (``DataStream.skip``, checkpointed) and counted in
+            ``prompts_too_long``.
     """
 
-    def __init__(self, engine, workflow: RolloutWorkflow, data: DataStream, staleness: StalenessManager, buffer: TrajectoryBuffer, *, group_size: int, filter_all_equal: bool = False, max_filtered_in_a_row: int = 64, version: int = 0):
+    def __init__(self, engine, workflow: RolloutWorkflow, data: DataStream, staleness: StalenessManager, buffer: TrajectoryBuffer, *, group_size: int, filter_all_equal: bool = False, max_filtered_in_a_row: int = 64, version: int = 0,
+                 max_failed_in_a_row: int = 100, on_skip=None):
+        self.max_failed_in_a_row = max_failed_in_a_row
+        self.on_skip = on_skip
+        self._failed_in_a_row = 0
         self.engine = engine
         self.workflow = workflow
         self.data = data
@@ -126,6 +154,9 @@ class RolloutController:
         self._version = version
         self._filtered_in_a_row = 0
         self._inflight: dict[int, int] = {}  # episode id -> sample index
+        # samples handed out that will never reach the trainer, not yet in the audit trail
+        # (take_not_trained); checkpointed, so the records survive a crash exactly
+        self._ledger: list[dict] = []
         self._episode_ids = 0
         self._lock = threading.Lock()  # guards data cursor, in-flight set and buffer puts vs. snapshots
         self._paused = threading.Event()
@@ -177,6 +208,17 @@ class RolloutController:
             except RuntimeError:  # loop closed
                 pass
 
+    def take_not_trained(self) -> list[dict]:
+        """Remove and return the records of samples handed out since the last call that will
+        never be trained: ``{"sample", "outcome", ...}`` with outcome ``dropped_stale`` (the
+        buffer's staleness bound), ``filtered`` (all-equal rewards), ``rejected`` (the workflow
+        returned None), ``failed`` (the episode raised) or ``prompt_too_long``. With the groups
+        trained, they account for every sample the data stream handed out (``trained.jsonl``;
+        the chaos suite checks it across kills and resumes)."""
+        with self._lock:
+            out, self._ledger = self._ledger, []
+        return self.buffer.take_dropped() + out
+
     # ------------------------------------------------------------------ checkpoint
     def snapshot(self) -> dict:
         """A consistent checkpointable state: data cursor with in-flight samples re-queued first,
@@ -193,6 +235,8 @@ class RolloutController:
             return {
                 "data": data_state,
                 "buffer": groups,
+                # recorded, not yet logged (the next step's trained.jsonl row lists them)
+                "not_trained": self.buffer.take_dropped(keep=True) + list(self._ledger),
                 "staleness": self.staleness.state_dict(),
                 "stats": st,
             }
@@ -211,6 +255,7 @@ class RolloutController:
         for k, v in state.get("stats", {}).items():
             if hasattr(self.stats, k):
                 setattr(self.stats, k, v)
+        self._ledger = list(state.get("not_trained", []))  # logged with the next step
         self._version = version
 
     # ------------------------------------------------------------------ the loop
@@ -256,15 +301,42 @@ class RolloutController:
             group = await self.workflow.run_episode(self.engine, sample)
         except asyncio.CancelledError:
             raise  # stopping: the sample stays in _inflight and is re-queued by snapshot()
-        except Exception as e:
-            log.exception("episode for %s failed", sample.id)
-            self.stats.episodes_failed += 1
-            self.stats.last_error = f"{type(e).__name__}: {e}"
+        except PromptTooLongError as e:  # retrying can never help: drop the sample for good
             with self._lock:
-                self._inflight.pop(eid, None)
+                idx = self._inflight.pop(eid, None)
+                if idx is not None:
+                    self.data.skip.add(idx)
+                self._ledger.append({"sample": sample.id, "outcome": "prompt_too_long"})
+            self.stats.prompts_too_long += 1
+            if self.stats.prompts_too_long == 1:
+                log.warning("sample %s skipped for the rest of the run: %s (further ones are "
+                            "counted in rollout/prompts_too_long and events.jsonl)", sample.id, e)
+            if self.on_skip is not None:
+                self.on_skip(sample, str(e))
             self.staleness.on_reject(G)
             self._poke()
             return
+        except Exception as e:
+            self.stats.episodes_failed += 1
+            self._failed_in_a_row += 1
+            self.stats.last_error = f"{type(e).__name__}: {e}"
+            if self.stats.episodes_failed == 1:
+                log.exception("episode for %s failed", sample.id)
+            else:  # one line each, in train.log only
+                log.warning("episode for %s failed: %s", sample.id, self.stats.last_error,
+                            extra={"console": False})
+            with self._lock:
+                self._inflight.pop(eid, None)
+                self._ledger.append({"sample": sample.id, "outcome": "failed",
+                                     "error": self.stats.last_error[:200]})
+            self.staleness.on_reject(G)
+            if self._failed_in_a_row >= self.max_failed_in_a_row and self.error is None:
+                self.error = RuntimeError(f"{self._failed_in_a_row} episodes in a row failed; the "
+                                          f"last: {self.stats.last_error} (tracebacks in train.log)")
+                self._stop.set()
+            self._poke()
+            return
+        self._failed_in_a_row = 0
         accept = group is not None and len(group) > 0
         if accept and len(group) != G:
             raise RuntimeError(f"workflow returned {len(group)} trajectories, expected group_size={G}")
@@ -290,6 +362,10 @@ class RolloutController:
             self._inflight.pop(eid, None)
             if accept:
                 self.buffer.put(group)
+            else:  # filtered (all-equal rewards) or rejected by the workflow (None)
+                self._ledger.append({
+                    "sample": sample.id, "group": group[0].group_id if group else None,
+                    "outcome": "filtered" if group else "rejected"})
         if accept:
             self.stats.episodes_accepted += 1
             self.stats.trajectories_accepted += G
@@ -310,6 +386,7 @@ class RolloutController:
             "rollout/groups_filtered": s.groups_filtered,
             "rollout/filter_cap_hits": s.filter_cap_hits,
             "rollout/reward_failures": s.reward_failures,
+            "rollout/prompts_too_long": s.prompts_too_long,
             "rollout/running": self.staleness.running,
             "rollout/buffered": self.buffer.size(),
             "rollout/dropped_stale": self.buffer.stats()["dropped_stale"],

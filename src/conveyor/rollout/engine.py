@@ -21,19 +21,26 @@ background thread owns the model and runs a loop of forward passes over a *runni
   continues. Each generated token records the policy version that produced it, so one response
   may span several versions; :attr:`GenerationOutput.num_interruptions` counts the updates a
   request lived through.
-* **Sampling.** Per-request temperature / top-k / top-p / greedy, vectorised over the batch by
-  parameter group. Every request draws its random numbers from its own ``torch.Generator``
+* **Sampling.** Per-request temperature / min-p / top-k / top-p / greedy, vectorised over the
+  batch by parameter group. Every request draws its random numbers from its own ``torch.Generator``
   seeded from ``(engine seed, submission index)`` (or :attr:`SamplingParams.seed`), so the sampled
   tokens are reproducible for the same submission order no matter how requests were batched
   (log-probs agree up to float rounding, ~1e-6: padding and batch shapes change the arithmetic).
   Sampling is by inverse CDF: one uniform number per token.
 
 Behaviour log-probs (``GenerationOutput.logprobs``) are natural-log probabilities of the sampled
-token under the distribution actually sampled from: ``logits / T``, then top-k and top-p
-truncation and renormalisation. Greedy decoding (``temperature == 0``) records
-``log_softmax(logits)`` of the argmax (i.e. at ``T = 1``). The trainer recomputes ``log pi`` at
-temperature ``T`` *without* truncation, so the two agree exactly only with ``top_p = 1`` and
-``top_k = 0``.
+token under the distribution actually sampled from: ``z = logits / T``, then min-p, top-k and
+top-p truncation (in vLLM v1's order, ``vllm/v1/sample/sampler.py``) and renormalisation over
+the kept set ``S_t``: ``log pi^S(a_t) = z_a - logsumexp_{v in S_t} z_v``. With any truncation
+the engine also records ``S_t`` of every sampled token (``GenerationOutput.sampling_mask``, CSR
+of token ids, :class:`~conveyor.types.SamplingMask`); the trainer replays it, renormalising the
+proximal, current and reference log-probs over the same set
+(:func:`conveyor.trainer.logprobs.token_logprobs`), so engine and trainer log-probs agree for
+every sampling setting (sampling-mask replay, DeepSeek-V3.2 arXiv 2512.02556 section 3.1;
+docs/design.md, "Truncated sampling: which log-probs"). Untruncated sampling (``top_p = 1``,
+``top_k = 0``, ``min_p = 0``) stores no set (full vocabulary). Greedy decoding
+(``temperature == 0``) records ``log_softmax(logits)`` of the argmax (i.e. at ``T = 1``) and no
+set.
 
 Threading: every public method is thread-safe. ``async generate`` may be awaited from any asyncio
 event loop (the decode thread resolves the future with ``loop.call_soon_threadsafe``); results of
@@ -59,7 +66,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from conveyor.faults import fault_point
 from conveyor.sync import WeightUpdate
+from conveyor.types import SamplingMask
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +98,15 @@ class SamplingParams:
             ``len(prompt) + len(response)`` reaches the model's ``max_position_embeddings``
             (finish reason ``"length"`` in both cases).
         temperature: Softmax temperature (>= 0, finite). ``0`` means greedy decoding.
-        top_p: Nucleus sampling mass in ``(0, 1]``; ``1`` disables it. Applied after top-k, on
-            the renormalised top-k distribution; the smallest set of most likely tokens whose
-            mass reaches ``top_p`` is kept.
+        top_p: Nucleus sampling mass in ``(0, 1]``; ``1`` disables it. Applied last, on the
+            distribution renormalised after min-p and top-k; the smallest set of most likely
+            tokens whose mass reaches ``top_p`` is kept.
         top_k: Keep only the ``top_k`` most likely tokens (>= 0); ``0`` disables it.
+        min_p: Keep only tokens with ``p >= min_p * p_max`` under ``softmax(logits / T)``
+            (vLLM / Nguyen et al. arXiv 2407.01082), in ``[0, 1]``; ``0`` disables it. Applied
+            after temperature and before top-k / top-p, as vLLM v1 does (its min-p is an
+            argmax-invariant logits processor run before ``apply_top_k_top_p``). The test is
+            a probability ratio, so it commutes with top-k; it changes what top-p sees.
         stop: Stop strings. After every generated token the decoded response (special tokens
             skipped) is searched; when one occurs, generation stops with finish reason
             ``"stop"``. The stop string is *kept*: ``token_ids`` ends with the token that
@@ -117,6 +131,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
@@ -140,6 +155,14 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
+        if (
+            isinstance(self.min_p, bool)
+            or not isinstance(self.min_p, int | float)
+            or not (0.0 <= self.min_p <= 1.0)
+        ):
+            raise ValueError(
+                f"min_p must be a number in [0, 1] (0 disables it), got {self.min_p!r}"
+            )
         if isinstance(self.stop, str):
             raise ValueError(f"stop must be a tuple of strings, not a single string: {self.stop!r}")
         stop = tuple(self.stop)
@@ -162,6 +185,12 @@ class SamplingParams:
         """True when ``temperature == 0`` (argmax decoding)."""
         return self.temperature == 0
 
+    @property
+    def truncated(self) -> bool:
+        """True when sampling is random and min-p, top-k or top-p removes tokens (a kept set is
+        then recorded for every sampled token)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
 
 @dataclass(frozen=True)
 class GenerationOutput:
@@ -172,8 +201,9 @@ class GenerationOutput:
         token_ids: Generated token ids, length ``R`` (the eos / stop token is included when it
             was generated).
         logprobs: ``log pi_behav`` of each generated token (natural log, length ``R``) under the
-            distribution actually sampled from (temperature, then top-k / top-p truncation and
-            renormalisation; greedy: ``log_softmax`` of the logits at ``T = 1``).
+            distribution actually sampled from (temperature, then min-p / top-k / top-p
+            truncation and renormalisation over the kept set; greedy: ``log_softmax`` of the
+            logits at ``T = 1``).
         versions: Policy version that produced each generated token, length ``R``
             (non-decreasing; several values when weights were updated mid-request).
         finish_reason: ``"stop"`` (eos, stop token or stop string), ``"length"``
@@ -187,6 +217,9 @@ class GenerationOutput:
             engine's bookkeeping and may still grow after delivery (at the next weight update)
             until :meth:`InferenceEngine.partial_requests` stops returning the request. Empty
             otherwise.
+        sampling_mask: The kept set of every generated token (length ``R``,
+            :class:`~conveyor.types.SamplingMask`) when the request's sampling truncates
+            (:attr:`SamplingParams.truncated`); None otherwise (full vocabulary).
     """
 
     prompt_ids: list[int]
@@ -197,6 +230,7 @@ class GenerationOutput:
     text: str
     num_interruptions: int
     old_logprobs: list[float] = field(default_factory=list)
+    sampling_mask: SamplingMask | None = None
 
 
 @dataclass(frozen=True)
@@ -208,6 +242,8 @@ class PartialRequest:
         old_logprobs: The request's shared old-log-prob list (length <= R): extend it in place
             with the log-probs of ``token_ids[len(old_logprobs):]``.
         finished: True for a request that finished since the previous call.
+        sampling_mask: The kept sets of ``token_ids`` (length ``R``) under truncated sampling,
+            None otherwise; scoring renormalises over them like the trainer.
     """
 
     rid: int
@@ -216,6 +252,7 @@ class PartialRequest:
     versions: list[int]
     old_logprobs: list[float]
     finished: bool
+    sampling_mask: SamplingMask | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,19 +266,19 @@ _GREEDY, _PLAIN, _TRUNC = 0, 1, 2
 class _SamplingPlan:
     """Per-batch sampling parameters, grouped so each group is one vectorised computation.
 
-    ``groups`` holds ``(kind, rows, temperature [b, 1], top_k [b, 1], top_p [b, 1])``;
-    ``rows`` is None when the group covers the whole batch (no gather / scatter needed).
+    ``groups`` holds ``(kind, rows, temperature [b, 1], top_k [b, 1], top_p [b, 1],
+    min_p [b, 1])``; ``rows`` is None when the group covers the whole batch (no gather /
+    scatter needed).
     """
 
-    groups: list[tuple[int, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]]
+    groups: list[
+        tuple[int, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    ]
     needs_uniforms: bool
 
 
 def _make_plan(params: Sequence[SamplingParams]) -> _SamplingPlan:
-    kinds = [
-        _GREEDY if p.greedy else (_TRUNC if (p.top_k > 0 or p.top_p < 1.0) else _PLAIN)
-        for p in params
-    ]
+    kinds = [_GREEDY if p.greedy else (_TRUNC if p.truncated else _PLAIN) for p in params]
     groups = []
     for kind in (_GREEDY, _PLAIN, _TRUNC):
         rows = [i for i, k in enumerate(kinds) if k == kind]
@@ -251,13 +288,14 @@ def _make_plan(params: Sequence[SamplingParams]) -> _SamplingPlan:
         temp = torch.tensor([[p.temperature if p.temperature > 0 else 1.0] for p in sel])
         top_k = torch.tensor([[p.top_k] for p in sel], dtype=torch.long)
         top_p = torch.tensor([[float(p.top_p)] for p in sel])
+        min_p = torch.tensor([[float(p.min_p)] for p in sel])
         idx = None if len(rows) == len(params) else torch.tensor(rows, dtype=torch.long)
-        groups.append((kind, idx, temp, top_k, top_p))
+        groups.append((kind, idx, temp, top_k, top_p, min_p))
     return _SamplingPlan(groups=groups, needs_uniforms=any(k != _GREEDY for k in kinds))
 
 
 _CDF_BLOCK = 256  # vocabulary block size of the two-level inverse-CDF search
-_TOP_P_CANDIDATES = 64  # first candidate-set size for top-p (grown x8 until it holds the nucleus)
+_TOP_P_CANDIDATES = 64  # first candidate-set size for top-p / min-p (grown x8 to hold the kept set)
 
 
 def _inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -287,22 +325,36 @@ def _inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (bi * _CDF_BLOCK + j).squeeze(-1)
 
 
+_Kept = list[torch.Tensor | None] | None  # per row: kept token ids (int32); None: no truncation
+
+
 def _sample_with_plan(
     logits: torch.Tensor, plan: _SamplingPlan, u: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, _Kept]:
     batch = logits.shape[0]
     if len(plan.groups) == 1 and plan.groups[0][1] is None:
-        kind, _, temp, top_k, top_p = plan.groups[0]
-        return _sample_group(logits, kind, temp, top_k, top_p, u)
+        kind, _, temp, top_k, top_p, min_p = plan.groups[0]
+        return _sample_group(logits, kind, temp, top_k, top_p, min_p, u)
     tokens = torch.empty(batch, dtype=torch.long)
     logprobs = torch.empty(batch, dtype=torch.float32)
-    for kind, rows, temp, top_k, top_p in plan.groups:
-        tok, lp = _sample_group(
-            logits.index_select(0, rows), kind, temp, top_k, top_p, u.index_select(0, rows)
+    kept_all: _Kept = None
+    for kind, rows, temp, top_k, top_p, min_p in plan.groups:
+        tok, lp, kept = _sample_group(
+            logits.index_select(0, rows), kind, temp, top_k, top_p, min_p, u.index_select(0, rows)
         )
         tokens.index_copy_(0, rows, tok)
         logprobs.index_copy_(0, rows, lp)
-    return tokens, logprobs
+        if kept is not None:
+            kept_all = kept_all or [None] * batch
+            for r, ids in zip(rows.tolist(), kept, strict=True):
+                kept_all[r] = ids
+    return tokens, logprobs, kept_all
+
+
+def _min_p_threshold(top: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """``[b, 1]`` min-p cut in scaled-logit space: ``p_v >= min_p * p_max`` iff
+    ``z_v >= z_max + log(min_p)`` (``-inf`` when ``min_p = 0``: nothing is cut)."""
+    return top + torch.log(min_p)
 
 
 def _sample_group(
@@ -311,54 +363,71 @@ def _sample_group(
     temp: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
+    min_p: torch.Tensor,
     u: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, _Kept]:
     x = x.float()
     if kind == _GREEDY:
         tok = x.argmax(-1)
         lp = x.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, -1)
-        return tok, lp
+        return tok, lp, None
     s = x if bool((temp == 1.0).all()) else x / temp
     if kind == _PLAIN:
         logp = torch.log_softmax(s, -1)
         tok = _inverse_cdf(logp, u)
-        return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-    vals, order = _truncation_candidates(s, top_k, top_p)
+        return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1), None
+    # vLLM v1 order: temperature, min-p, top-k, top-p (on the renormalised remainder)
+    vals, order = _truncation_candidates(s, top_k, top_p, min_p)
     ranks = torch.arange(vals.shape[-1]).unsqueeze(0)
-    vals = vals.masked_fill((top_k > 0) & (ranks >= top_k), -math.inf)
+    drop = (top_k > 0) & (ranks >= top_k)
+    if bool((min_p > 0).any()):
+        drop = drop | (vals < _min_p_threshold(vals[:, :1], min_p))
+    vals = vals.masked_fill(drop, -math.inf)
     if bool((top_p < 1.0).any()):
-        # nucleus on the top-k-renormalised distribution; candidates hold the whole nucleus
-        logz = _truncated_logz(s, vals, top_k)
+        # nucleus on the min-p / top-k-renormalised distribution; candidates hold the whole nucleus
+        logz = _truncated_logz(s, vals, top_k, min_p)
         probs = (vals - logz).exp()
         mass_before = probs.cumsum(-1) - probs
         vals = vals.masked_fill(mass_before >= top_p, -math.inf)  # rank 0 is always kept
     logp = torch.log_softmax(vals, -1)
     pos = _inverse_cdf(logp, u)
     tok = order.gather(-1, pos.unsqueeze(-1)).squeeze(-1)
-    return tok, logp.gather(-1, pos.unsqueeze(-1)).squeeze(-1)
+    # the kept set S_t: every mask above cuts a suffix of the descending order, so S_t is a prefix
+    keep = vals > -math.inf
+    kept = list(order[keep].to(torch.int32).split(keep.sum(-1).tolist()))
+    return tok, logp.gather(-1, pos.unsqueeze(-1)).squeeze(-1), kept
 
 
-def _truncated_logz(s: torch.Tensor, vals: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """``[b, 1]`` log-normaliser of the top-k-truncated distribution: over the candidates for
-    rows with ``0 < top_k <= #candidates``, over the whole vocabulary otherwise."""
-    full = torch.logsumexp(s, -1, keepdim=True)
+def _truncated_logz(
+    s: torch.Tensor, vals: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """``[b, 1]`` log-normaliser of the min-p / top-k-truncated distribution: over the
+    (already masked) candidates ``vals`` for rows with ``0 < top_k <= #candidates``, over the
+    min-p-masked vocabulary otherwise."""
+    if bool((min_p > 0).any()):
+        thr = _min_p_threshold(s.max(-1, keepdim=True).values, min_p)
+        full = torch.logsumexp(s.masked_fill(s < thr, -math.inf), -1, keepdim=True)
+    else:
+        full = torch.logsumexp(s, -1, keepdim=True)
     cand = torch.logsumexp(vals, -1, keepdim=True)
     return torch.where((top_k > 0) & (top_k <= vals.shape[-1]), cand, full)
 
 
 def _truncation_candidates(
-    s: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    s: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The most likely tokens of each row, sorted descending: ``(values [b, K], ids [b, K])``.
 
-    ``K`` is large enough to hold every row's top-k set and top-p nucleus (exact, not an
-    approximation): start at ``max(top_k)`` or ``_TOP_P_CANDIDATES``, grow 8x while some row's
-    candidates hold less than ``top_p`` of the (top-k-renormalised) mass, end with a full sort.
+    ``K`` is large enough to hold every row's kept set (exact, not an approximation): start at
+    ``max(top_k)`` (top-k only) or ``max(_TOP_P_CANDIDATES, max(top_k))``, grow 8x until every
+    row is covered -- its top-k set is among the candidates, or min-p already cuts inside them,
+    or they hold ``top_p`` of its (min-p / top-k-renormalised) mass -- and end with a full sort.
     """
     vocab = s.shape[-1]
     need_p = top_p < 1.0  # [b, 1]
-    k_needed = int(torch.where(top_k > 0, top_k, vocab).max()) if not bool(need_p.any()) else None
-    if k_needed is not None:  # top-k only
+    need_m = min_p > 0.0
+    if not bool(need_p.any()) and not bool(need_m.any()):  # top-k only
+        k_needed = int(torch.where(top_k > 0, top_k, vocab).max())
         if k_needed >= vocab:
             return s.sort(-1, descending=True)
         return s.topk(k_needed, -1)
@@ -366,11 +435,14 @@ def _truncation_candidates(
     while k < vocab:
         vals, order = s.topk(k, -1)
         ranks = torch.arange(k).unsqueeze(0)
-        masked = vals.masked_fill((top_k > 0) & (ranks >= top_k), -math.inf)
-        mass = (masked - _truncated_logz(s, masked, top_k)).exp().sum(-1, keepdim=True)
-        # a row is covered when its whole top-k set is among the candidates, or when it uses
-        # top-p and the candidates already hold top_p of its mass (the nucleus is inside)
-        covered = ((top_k > 0) & (top_k <= k)) | (need_p & (mass >= top_p))
+        thr = _min_p_threshold(vals[:, :1], min_p)
+        covered = ((top_k > 0) & (top_k <= k)) | (need_m & (vals[:, -1:] < thr))
+        if bool(need_p.any()):
+            masked = vals.masked_fill(((top_k > 0) & (ranks >= top_k)) | (vals < thr), -math.inf)
+            logz = _truncated_logz(s, masked, top_k, min_p)
+            mass = (masked - logz).exp().sum(-1, keepdim=True)
+            # a top-p row is covered when the candidates already hold top_p of its mass
+            covered = covered | (need_p & (mass >= top_p))
         if bool(covered.all()):
             return vals, order
         k *= 8
@@ -378,8 +450,15 @@ def _truncation_candidates(
 
 
 def sample_from_logits(
-    logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    uniforms: torch.Tensor,
+    *,
+    with_support: bool = False,
+) -> (
+    tuple[torch.Tensor, torch.Tensor]
+    | tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]
+):
     """Sample one token per row exactly as the engine does (exposed for tests and tools).
 
     Args:
@@ -388,11 +467,15 @@ def sample_from_logits(
         uniforms: ``[B]`` random numbers in ``(0, 1]`` (ignored for greedy rows). The token is
             the first index whose cumulative probability reaches ``uniforms * total``, in
             vocabulary order for untruncated rows and in descending-probability order for
-            top-k / top-p rows.
+            min-p / top-k / top-p rows.
+        with_support: Also return each row's kept set.
 
     Returns:
         ``(tokens [B] int64, logprobs [B] float32)``: the sampled token ids and their natural-log
-        probability under the distribution sampled from (see the module docstring).
+        probability under the distribution sampled from (see the module docstring). With
+        ``with_support``, a third item: ``B`` int32 tensors of kept token ids (descending
+        probability; the set the log-prob is normalised over), None for untruncated and greedy
+        rows.
 
     Raises:
         ValueError: when the shapes of ``logits``, ``params`` and ``uniforms`` disagree.
@@ -402,7 +485,10 @@ def sample_from_logits(
             f"expected logits [B, V], B params and uniforms [B]; got logits "
             f"{tuple(logits.shape)}, {len(params)} params, uniforms {tuple(uniforms.shape)}"
         )
-    return _sample_with_plan(logits, _make_plan(params), uniforms)
+    tokens, logprobs, kept = _sample_with_plan(logits, _make_plan(params), uniforms)
+    if not with_support:
+        return tokens, logprobs
+    return tokens, logprobs, kept if kept is not None else [None] * len(params)
 
 
 # --------------------------------------------------------------------------------------------
@@ -475,6 +561,17 @@ class _Request:
     text: str | None = None
     cancelled: bool = False
     old_logprobs: list[float] = field(default_factory=list)
+    # kept set of each sampled token (truncated sampling only); appended before token_ids, so a
+    # concurrent snapshot of token_ids never has more tokens than support
+    support: list[torch.Tensor] = field(default_factory=list)
+
+    def sampling_mask(self, n: int) -> SamplingMask | None:
+        """The kept sets of the first ``n`` tokens as CSR; None without truncation."""
+        parts = self.support[:n]
+        if not parts:
+            return None
+        sizes = torch.tensor([len(p) for p in parts], dtype=torch.int64)
+        return SamplingMask(torch.cat(parts), torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]))
 
 
 @dataclass
@@ -561,6 +658,11 @@ def _select(batch: _Batch, keep: list[int]) -> _Batch | None:
 class _PendingUpdate:
     update: WeightUpdate
     future: concurrent.futures.Future
+
+
+class PromptTooLongError(ValueError):
+    """A prompt fills the model's context (``len(prompt) >= max_position_embeddings``): nothing
+    can be generated. Retrying cannot help; the rollout controller skips such a sample."""
 
 
 class InferenceEngine:
@@ -818,8 +920,10 @@ class InferenceEngine:
             done, self._finished_unscored = list(self._finished_unscored.values()), {}
             out = []
             for r, finished in [(r, False) for r in live] + [(r, True) for r in done]:
-                out.append(PartialRequest(r.rid, list(r.prompt_ids), list(r.token_ids), list(r.versions),
-                                          r.old_logprobs, finished))
+                tokens = list(r.token_ids)
+                out.append(PartialRequest(r.rid, list(r.prompt_ids), tokens, list(r.versions),
+                                          r.old_logprobs, finished,
+                                          r.sampling_mask(len(tokens))))
         return out
 
     def stats(self) -> dict[str, Any]:
@@ -868,7 +972,7 @@ class InferenceEngine:
         if self._max_positions is not None:
             room = self._max_positions - len(prompt)
             if room < 1:
-                raise ValueError(
+                raise PromptTooLongError(
                     f"prompt has {len(prompt)} tokens; the model's max_position_embeddings is "
                     f"{self._max_positions}, leaving no room to generate"
                 )
@@ -920,7 +1024,8 @@ class InferenceEngine:
             waits in the queue until :meth:`start`.
 
         Raises:
-            ValueError: empty / out-of-range prompt, or a prompt that fills the context.
+            ValueError: empty / out-of-range prompt; PromptTooLongError (a ValueError): a
+                prompt that fills the context.
             TypeError: ``params`` is not a :class:`SamplingParams`.
             RuntimeError: the engine is stopped, or its decode thread crashed.
             asyncio.CancelledError: when the awaiting task is cancelled; the request is then
@@ -1114,6 +1219,7 @@ class InferenceEngine:
     def _apply_updates(self, updates: list[_PendingUpdate], in_flight: list[_Request]) -> None:
         """Copy the tensors of ``updates`` (in order) into the model; caller holds the model lock."""
         for pending in updates:
+            fault_point("weight_sync")  # chaos suite: a kill during a weight sync
             t0 = time.perf_counter()
             try:
                 with torch.inference_mode(False), torch.no_grad():
@@ -1297,6 +1403,7 @@ class InferenceEngine:
             self._batch = _merge(self._batch, new)
 
     def _decode(self) -> None:
+        fault_point("generate")  # chaos suite: a kill during generation
         batch = self._batch
         length = batch.length + 1
         mask = torch.arange(length).unsqueeze(0) >= batch.pad.unsqueeze(1)
@@ -1326,7 +1433,7 @@ class InferenceEngine:
     def _sample_and_record(
         self, reqs: list[_Request], logits: torch.Tensor, plan: _SamplingPlan
     ) -> torch.Tensor:
-        """Sample one token per row, append it (with log-prob and version) to each request and
+        """Sample one token per row, append it (log-prob, version, kept set) to each request and
         finish the requests that hit a stop condition. Returns the tokens ``[B]``."""
         t0 = time.perf_counter()
         if plan.needs_uniforms:
@@ -1336,9 +1443,12 @@ class InferenceEngine:
             )
         else:
             u = torch.ones(len(reqs), dtype=torch.float64)
-        tokens, logprobs = _sample_with_plan(logits, plan, u)
+        tokens, logprobs, kept = _sample_with_plan(logits, plan, u)
         version = self._version
-        for req, tok, lp in zip(reqs, tokens.tolist(), logprobs.tolist(), strict=True):
+        rows = zip(reqs, tokens.tolist(), logprobs.tolist(), strict=True)
+        for i, (req, tok, lp) in enumerate(rows):
+            if kept is not None and kept[i] is not None:
+                req.support.append(kept[i])
             req.token_ids.append(tok)
             req.logprobs.append(lp)
             req.versions.append(version)
@@ -1374,6 +1484,7 @@ class InferenceEngine:
             text=text,
             num_interruptions=req.num_interruptions,
             old_logprobs=req.old_logprobs,  # shared: partial-rollout sync may extend it later
+            sampling_mask=req.sampling_mask(len(req.token_ids)),
         )
         with self._cond:
             self._live.pop(req.rid, None)

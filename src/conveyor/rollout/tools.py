@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from conveyor.rollout.engine import SamplingParams
+from conveyor.types import SamplingMask
 
 TOOLS = ("none", "calculator")
 
@@ -92,6 +93,9 @@ class ToolRollout:
         finish_reason: Of the last generation segment.
         tool_calls: Observations inserted.
         num_interruptions: Weight updates that interrupted any segment.
+        sampling_mask: Kept set of every token (length R) when sampling truncates: the
+            segments' sets concatenated, observations without a set (full vocabulary); None
+            without truncation (:class:`~conveyor.types.SamplingMask`).
     """
 
     prompt_ids: list[int]
@@ -103,6 +107,7 @@ class ToolRollout:
     finish_reason: str = "length"
     tool_calls: int = 0
     num_interruptions: int = 0
+    sampling_mask: SamplingMask | None = None
 
 
 async def generate_with_calculator(engine, tokenizer, prompt_ids: list[int], params: SamplingParams, *, max_calls: int = 4) -> ToolRollout:
@@ -122,6 +127,7 @@ async def generate_with_calculator(engine, tokenizer, prompt_ids: list[int], par
         A :class:`ToolRollout`.
     """
     out = ToolRollout(prompt_ids=list(prompt_ids))
+    masks: list[SamplingMask | int] = []  # per span: its kept sets, or its token count (no set)
     budget = params.max_new_tokens
     while budget > 0:
         calls_left = out.tool_calls < max_calls
@@ -129,6 +135,8 @@ async def generate_with_calculator(engine, tokenizer, prompt_ids: list[int], par
         seg = await engine.generate(out.prompt_ids + out.token_ids, seg_params)
         out.token_ids += seg.token_ids
         out.logprobs += seg.logprobs
+        seg_mask = getattr(seg, "sampling_mask", None)
+        masks.append(seg_mask if seg_mask is not None else len(seg.token_ids))
         out.versions += seg.versions
         out.action_mask += [1] * len(seg.token_ids)
         out.num_interruptions += seg.num_interruptions
@@ -146,9 +154,11 @@ async def generate_with_calculator(engine, tokenizer, prompt_ids: list[int], par
         obs = tokenizer.encode(" " + result, add_special_tokens=False)[:budget]
         out.token_ids += obs
         out.logprobs += [0.0] * len(obs)
+        masks.append(len(obs))  # observations: no kept set (they carry no loss)
         out.versions += [out.versions[-1] if out.versions else engine.version] * len(obs)
         out.action_mask += [0] * len(obs)
         out.tool_calls += 1
         budget -= len(obs)
     out.text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    out.sampling_mask = SamplingMask.concat(masks)
     return out

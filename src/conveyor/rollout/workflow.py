@@ -15,7 +15,7 @@ import uuid
 from typing import Protocol, runtime_checkable
 
 from conveyor.prompts import build_prompt_ids
-from conveyor.rewards import RewardService, correctness_reward, format_ok
+from conveyor.rewards import ANSWER_METRICS, RewardService
 from conveyor.rollout.engine import SamplingParams
 from conveyor.rollout.tools import TOOLS, generate_with_calculator
 from conveyor.types import Sample, Trajectory
@@ -34,10 +34,19 @@ class SingleTurnMathWorkflow:
     """One chat-formatted question, ``group_size`` sampled responses, each scored by the reward
     service (MISSION.md section 1: rewards computed off the main path, with timeouts).
 
+    The accuracy metric (``trajectory.correct``) and the format flag
+    (``metadata["format_ok"]``) come from the same worker call as the reward (the service's
+    :data:`~conveyor.rewards.ANSWER_METRICS`): nothing here runs answer checking in this process,
+    so a pathological answer (``\\boxed{9^{9^{9^{9}}}}``) costs one worker its timeout, never the
+    engine or the trainer (issue 10, section 3). When that call fails (timeout, crash) the
+    correctness is unknown: ``correct`` and ``format_ok`` are None.
+
     Args:
         tokenizer: The policy's tokenizer (chat template).
         reward_service: Scores responses; failed rewards (exception / timeout) get the service's
-            failure score and are flagged in ``trajectory.metadata["reward_failed"]``.
+            failure score and are flagged in ``trajectory.metadata["reward_failed"]``. It must
+            compute the metrics of :data:`~conveyor.rewards.ANSWER_METRICS`
+            (``RewardService(fn, metrics=ANSWER_METRICS)``).
         params: Sampling parameters of the engine.
         group_size: Responses per prompt (>= 1).
         instruction: Appended to every question (the answer-format instruction).
@@ -45,6 +54,10 @@ class SingleTurnMathWorkflow:
             (:mod:`conveyor.rollout.tools`); its results are observation tokens
             (``trajectory.action_mask`` 0), never trained on.
         max_tool_calls: Observations per response at most.
+
+    Raises:
+        ValueError: ``group_size < 1``, an unknown ``tool``, or a reward service without the
+            metrics of :data:`~conveyor.rewards.ANSWER_METRICS`.
     """
 
     def __init__(self, tokenizer, reward_service: RewardService, params: SamplingParams, *, group_size: int = 4, instruction: str = "",
@@ -53,6 +66,12 @@ class SingleTurnMathWorkflow:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         if tool not in TOOLS:
             raise ValueError(f"tool must be one of {TOOLS}, got {tool!r}")
+        computed = getattr(reward_service, "metric_names", ())
+        missing = [m for m in ANSWER_METRICS if m not in computed]
+        if missing:
+            raise ValueError(f"reward_service does not compute the metrics {missing}: build "
+                             "it with RewardService(reward_fn, "
+                             "metrics=conveyor.rewards.ANSWER_METRICS)")
         self.tool = tool
         self.max_tool_calls = max_tool_calls
         self.tokenizer = tokenizer
@@ -76,16 +95,14 @@ class SingleTurnMathWorkflow:
             outs = await asyncio.gather(*[engine.generate(prompt_ids, self.params) for _ in range(self.group_size)])
         if all(o.finish_reason == "abort" for o in outs):
             return None
-        # rewards (worker processes) and the accuracy metric (threads) are computed concurrently
+        # reward, correctness and format: one isolated worker call per response (with its timeout)
         t0 = time.perf_counter()
-        results, corrects = await asyncio.gather(
-            asyncio.gather(*[self.reward_service.score(o.text, sample) for o in outs]),
-            asyncio.gather(*[asyncio.to_thread(correctness_reward, o.text, sample) for o in outs]),
-        )
+        results = await asyncio.gather(*[self.reward_service.score(o.text, sample) for o in outs])
         reward_s = time.perf_counter() - t0
         group_id = f"{sample.id}#{uuid.uuid4().hex[:12]}"  # unique across processes and resumes
         trajs = []
-        for o, r, correct in zip(outs, results, corrects, strict=True):
+        for o, r in zip(outs, results, strict=True):
+            correct, fmt = r.metrics.get("correct"), r.metrics.get("format_ok")
             trajs.append(
                 Trajectory(
                     sample=sample,
@@ -95,14 +112,15 @@ class SingleTurnMathWorkflow:
                     behaviour_logprobs=list(o.logprobs),
                     versions=list(o.versions),
                     reward=float(r.score),
-                    correct=correct >= 1.0,
+                    correct=None if correct is None else correct >= 1.0,
                     finish_reason=o.finish_reason,
                     text=o.text,
                     action_mask=getattr(o, "action_mask", None),
+                    sampling_mask=getattr(o, "sampling_mask", None),  # truncated sampling's sets
                     metadata={
                         "reward_failed": r.failed,
                         "reward_error": r.error,
-                        "format_ok": format_ok(o.text),
+                        "format_ok": None if fmt is None else fmt >= 1.0,
                         "num_interruptions": o.num_interruptions,
                         "reward_seconds": reward_s,
                         # shared with the engine: partial-rollout sync fills it at weight updates

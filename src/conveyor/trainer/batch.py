@@ -13,6 +13,12 @@ response ``[prompt[-1]] + response`` with position ids continuing the prompt's; 
 Every log-prob equals that of the unshared layout (one copy of the last prompt token per response
 keeps targets aligned), while the prompt's transformer work is done once per group instead of once
 per response: 32 x ~110-token sequences in groups of 4 shrink from 3.5 k to 2.1 k tokens.
+
+**Sampling masks.** A trajectory sampled with truncation (top-k / top-p / min-p) carries the kept
+set of every response token (``Trajectory.sampling_mask``); :func:`pack` lays the sets out as CSR
+over the packed positions (``PackedBatch.support``), aligned with the targets like every other
+per-token tensor, so :func:`conveyor.trainer.logprobs.token_logprobs` renormalises each log-prob
+over the set the token was sampled from (docs/design.md, "Truncated sampling: which log-probs").
 """
 
 from __future__ import annotations
@@ -46,6 +52,10 @@ class PackedBatch:
             (``trajectory.metadata["old_logprobs"]``); NaN elsewhere.
         attention_mask: ``[R, 1, L, L]`` bool (True = may attend) when a row holds a shared-prompt
             unit; None otherwise (block-diagonal attention from ``position_ids``).
+        support: ``(ids [N] int64, offsets [R * L + 1] int64)``, the kept set of each position's
+            target token as CSR over the row-major positions (position ``j`` of row ``r`` owns
+            ``ids[offsets[r * L + j]:offsets[r * L + j + 1]]``; an empty range = full
+            vocabulary) when some trajectory carries a ``sampling_mask``; None otherwise.
     """
 
     input_ids: torch.Tensor
@@ -59,6 +69,7 @@ class PackedBatch:
     indices: list[int]
     old_logprobs: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
+    support: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +86,39 @@ def _check_lengths(t: Trajectory) -> None:
         )
     if t.action_mask is not None and len(t.action_mask) != r:
         raise ValueError(f"trajectory {t.sample.id}: action_mask ({len(t.action_mask)}) and response_ids ({r}) differ in length")
+    if t.sampling_mask is not None:
+        _check_support(t)
+
+
+def _check_support(t: Trajectory) -> None:
+    """The sampling mask has one set per response token and every action token lies in its set.
+
+    Raises:
+        ValueError: naming the trajectory (and the first offending token): a wrong length, or a
+            token outside its recorded kept set (impossible for engine output; a hand-made or
+            corrupted trajectory).
+    """
+    sm, r = t.sampling_mask, len(t.response_ids)
+    if len(sm) != r:
+        raise ValueError(f"trajectory {t.sample.id}: sampling_mask ({len(sm)} tokens) and "
+                         f"response_ids ({r}) differ in length")
+    sizes = sm.sizes()
+    if sm.token_ids.numel() == 0:
+        return
+    tok = torch.as_tensor(t.response_ids, dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(r), sizes)  # token index of every kept id
+    found = (sm.token_ids.long() == tok[owner]).long()
+    hits = torch.zeros(r, dtype=torch.int64).index_add_(0, owner, found)
+    act = (torch.ones(r, dtype=torch.bool) if t.action_mask is None
+           else torch.as_tensor(t.action_mask, dtype=torch.bool))
+    bad = ((sizes > 0) & (hits == 0) & act).nonzero()
+    if bad.numel():
+        k = int(bad[0, 0])
+        raise ValueError(
+            f"trajectory {t.sample.id}: response token {k} (id {t.response_ids[k]}) is not in its "
+            f"recorded sampling support ({int(sizes[k])} ids; {bad.numel()} such tokens): the "
+            "behaviour log-prob cannot be replayed"
+        )
 
 
 def _append_segment(row: dict[str, list], t: Trajectory, a: float, s: int, seg: int, attend: int,
@@ -89,6 +133,10 @@ def _append_segment(row: dict[str, list], t: Trajectory, a: float, s: int, seg: 
     # target at j is seq_ids[j+1]; response token k sits at j = p + k - 1
     row["tgt"] += seq_ids[1:] + [0]
     m, b, v, o = [0.0] * n, [0.0] * n, [-1] * n, [math.nan] * n
+    sz = [0] * n  # kept-set size of each target (0 = full vocabulary)
+    if t.sampling_mask is not None and r:
+        sz[p - 1 : p - 1 + r] = t.sampling_mask.sizes().tolist()
+        row["sid"].append(t.sampling_mask.token_ids)
     old = t.metadata.get("old_logprobs") or ()
     act = t.action_mask
     for k in range(r):
@@ -105,6 +153,7 @@ def _append_segment(row: dict[str, list], t: Trajectory, a: float, s: int, seg: 
     row["seq"] += [s] * n
     row["seg"] += [seg] * n
     row["att"] += [attend] * n
+    row["ssz"] += sz
 
 
 def unit_members(item: int | tuple[int, ...]) -> tuple[int, ...]:
@@ -113,7 +162,8 @@ def unit_members(item: int | tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _pack_row(trajectories: list[Trajectory], advantages: torch.Tensor, items: list, s0: int) -> dict[str, list]:
-    row: dict[str, list] = {k: [] for k in ("ids", "pos", "tgt", "msk", "blp", "ver", "adv", "seq", "old", "seg", "att")}
+    row: dict[str, list] = {k: [] for k in ("ids", "pos", "tgt", "msk", "blp", "ver", "adv", "seq", "old", "seg", "att",
+                                            "ssz", "sid")}
     s, seg = s0, 0
     for item in items:
         members = unit_members(item)
@@ -143,6 +193,7 @@ def _pack_row(trajectories: list[Trajectory], advantages: torch.Tensor, items: l
         row["seq"] += [s] * n
         row["seg"] += [prefix_seg] * n
         row["att"] += [-1] * n
+        row["ssz"] += [0] * n
         seg += 1
         for i in members:
             _append_segment(row, trajectories[i], float(advantages[i]), s, seg, prefix_seg, prompt[-1:], n)
@@ -198,8 +249,8 @@ def pack(trajectories: list[Trajectory], advantages: torch.Tensor, rows: list[li
         rows: Which trajectories go into each row (a list of ints is taken as a single row).
 
     Raises:
-        ValueError: a trajectory whose per-token lists disagree in length, a unit whose prompts
-            differ, or no rows.
+        ValueError: a trajectory whose per-token lists (or sampling mask) disagree in length, a
+            token outside its recorded sampling support, a unit whose prompts differ, or no rows.
     """
     if rows and isinstance(rows[0], (int, tuple)):
         rows = [rows]  # type: ignore[list-item]
@@ -215,7 +266,8 @@ def pack(trajectories: list[Trajectory], advantages: torch.Tensor, rows: list[li
         s0 += len(members)
     shared = any(isinstance(item, tuple) and len(item) > 1 for idx in rows for item in idx)
     L = max(len(r["ids"]) for r in built)
-    pad_vals = {"ids": 0, "tgt": 0, "msk": 0.0, "blp": 0.0, "ver": -1, "adv": 0.0, "seq": -1, "old": math.nan, "att": -1}
+    pad_vals = {"ids": 0, "tgt": 0, "msk": 0.0, "blp": 0.0, "ver": -1, "adv": 0.0, "seq": -1, "old": math.nan, "att": -1,
+                "ssz": 0}
     for r in built:
         n_pad = L - len(r["ids"])
         for k, v in pad_vals.items():
@@ -234,6 +286,12 @@ def pack(trajectories: list[Trajectory], advantages: torch.Tensor, rows: list[li
         prefix = att[:, :, None] == seg[:, None, :]
         attention_mask = (causal & (same | prefix)).unsqueeze(1)
 
+    support = None
+    if any(r["sid"] for r in built):  # CSR over the row-major [R, L] positions (rows in order)
+        sizes = mat("ssz", torch.long).reshape(-1)
+        ids = torch.cat([x for r in built for x in r["sid"]]).long()
+        support = (ids, torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]))
+
     return PackedBatch(
         input_ids=mat("ids", torch.long),
         position_ids=mat("pos", torch.long),
@@ -246,6 +304,7 @@ def pack(trajectories: list[Trajectory], advantages: torch.Tensor, rows: list[li
         indices=flat,
         old_logprobs=mat("old", torch.float32),
         attention_mask=attention_mask,
+        support=support,
     )
 
 

@@ -92,6 +92,14 @@ def mismatch_weights(
     * ``mis_sequence``: ``w_t = exp(L_s)`` if ``low <= exp(L_s) <= high`` else 0.
     * ``geo_mask``: geometric-mean sequence filter: ``w_t = 1`` if ``low <= exp(g_s) <= high``
       else 0. The geometric mean avoids the length trap of the product (1.1^100 = 13,780).
+      ``g_s`` is the mean of the token-clamped ``l_t``, never of a clamped ``L_s`` (which would
+      cap ``|g_s|`` at ``20 / n_s`` and keep every long sequence whatever its mismatch), as in
+      verl's ``rollout_rs="geometric"`` (``verl/trainer/ppo/rollout_corr_helper.py``:
+      ``compute_rollout_rejection_mask``, clamp after the mean; today ``seq_mean_k1``) and
+      AReaL's ``apply_rejection_sampling`` (``level="sequence", metric="ratio", agg="mean"``).
+
+    ``L_s`` is clamped to ``+-LOG_RATIO_CLAMP`` before ``exp`` in the two product-weight
+    methods (verl clamps the sequence log-ratio sum the same way, ``SAFETY_BOUND = 20``).
 
     Args:
         proximal_logprobs: ``[B, T]`` training-side log-probs (pi_prox / pi_old_train).
@@ -133,15 +141,18 @@ def mismatch_weights(
         keep = (lr >= log_lo) & (lr <= log_hi)
         w = torch.where(keep, torch.exp(lr), zero)
     else:
-        L = _per_seq_sum(lr, ids, S).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        L_raw = _per_seq_sum(lr, ids, S)
+        L = L_raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # product weights: exp must not overflow
         if method == "tis_sequence":
             per = torch.exp(L.clamp(max=math.log(cap)))
             truncated = _broadcast((L > math.log(cap)).float(), ids).bool() & m
         elif method == "mis_sequence":
             per = torch.where((L >= log_lo) & (L <= log_hi), torch.exp(L), torch.zeros_like(L))
         else:  # geo_mask
+            # the mean of the (token-clamped) log-ratios, so |g| <= LOG_RATIO_CLAMP already; the
+            # clamped sum L would cap g at 20 / n and keep every sequence of 29+ tokens
             n = _per_seq_sum(m.float(), ids, S).clamp(min=1.0)
-            g = L / n
+            g = L_raw / n
             per = ((g >= log_lo) & (g <= log_hi)).float()
         w = _broadcast(per, ids)
     w = torch.where(m, w, zero)

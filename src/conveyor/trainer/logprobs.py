@@ -5,6 +5,12 @@ The transformer body runs once over the packed micro-batch; the vocabulary proje
 checkpointing, so at most one ``[chunk, V]`` logits block is alive at a time, in the forward and in
 the backward pass (V = vocabulary size, 49,152 for SmolLM2: a 3.5 k-token batch would otherwise hold
 ~690 MB per fp32 copy).
+
+Truncated sampling (sampling-mask replay): a position whose token was sampled from a kept set
+``S`` (top-k / top-p / min-p, recorded by the engine) gets ``log pi^S(a) = z_a - logsumexp_{v in
+S} z_v`` with ``z = logits / T``: the chunk's logits are gathered at the ids of ``S`` (padded with
+-inf) and reduced there, so the gradient flows through exactly those logits (docs/design.md,
+"Truncated sampling: which log-probs"; DeepSeek-V3.2, arXiv 2512.02556 section 3.1).
 """
 
 from __future__ import annotations
@@ -35,6 +41,55 @@ def _chunk_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets:
     return lp, ent
 
 
+def _masked_lse(logits: torch.Tensor, lse: torch.Tensor, sup_ids: torch.Tensor,
+                sup_valid: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``[c]`` normaliser per position: ``logsumexp`` over the kept ids where a set is recorded,
+    the full ``lse`` where ``full`` (no set). ``sup_ids [c, K]`` int64 (padding slots hold a valid
+    id, masked by ``sup_valid [c, K]``; rows without a set hold their target in a valid slot, so
+    the unused branch of the ``where`` is finite and its zero gradient stays finite)."""
+    kept = logits.gather(-1, sup_ids).masked_fill(~sup_valid, float("-inf"))
+    return torch.where(full, lse, torch.logsumexp(kept, dim=-1))
+
+
+def _chunk_logprobs_masked(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                           inv_t: float, sup_ids: torch.Tensor, sup_valid: torch.Tensor,
+                           full: torch.Tensor) -> torch.Tensor:
+    """As :func:`_chunk_logprobs`, renormalised over the kept sets (:func:`_masked_lse`)."""
+    logits = F.linear(hidden, weight).float() * inv_t
+    lse = _masked_lse(logits, torch.logsumexp(logits, dim=-1), sup_ids, sup_valid, full)
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+
+
+def _chunk_logprobs_entropy_masked(hidden: torch.Tensor, weight: torch.Tensor,
+                                   targets: torch.Tensor, inv_t: float, sup_ids: torch.Tensor,
+                                   sup_valid: torch.Tensor,
+                                   full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`_chunk_logprobs_entropy`; the log-probs are renormalised over the kept sets, the
+    entropy stays that of the full ``softmax(z)``."""
+    logits = F.linear(hidden, weight).float() * inv_t
+    lse_full = torch.logsumexp(logits, dim=-1)
+    lse = _masked_lse(logits, lse_full, sup_ids, sup_valid, full)
+    lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    with torch.no_grad():
+        z, m = logits.detach(), lse_full.detach()
+        ent = m - torch.linalg.vecdot(torch.exp(z - m.unsqueeze(-1)), z)
+    return lp, ent
+
+
+def _chunk_support(sup_ids: torch.Tensor, starts: torch.Tensor, sizes: torch.Tensor,
+                   targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Padded ``(ids [c, K], valid [c, K], full [c])`` of a chunk's kept sets (``K`` = largest set
+    in the chunk); a position without a set gets its target in slot 0 and ``full = True``."""
+    k = int(sizes.max())
+    cols = torch.arange(k, device=sizes.device)
+    valid = cols.unsqueeze(0) < sizes.unsqueeze(1)
+    idx = (starts.unsqueeze(1) + cols.unsqueeze(0)).clamp_(max=max(sup_ids.numel() - 1, 0))
+    ids = torch.where(valid, sup_ids[idx], targets.unsqueeze(1))
+    full = sizes == 0
+    valid[:, 0] |= full
+    return ids, valid, full
+
+
 def _body_and_head(model: torch.nn.Module):
     body = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     head = model.get_output_embeddings()
@@ -54,12 +109,16 @@ def token_logprobs(
     with_entropy: bool = False,
     mask: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
+    support: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log pi(targets[j] | input_ids[:j+1])`` for every position of a packed row.
 
-    Log-probs are of the temperature-scaled distribution ``softmax(logits / T)`` with no top-p /
-    top-k truncation (the engine's recorded log-probs equal these when it samples with
-    top_p = 1, top_k = 0; see :mod:`conveyor.rollout.engine`).
+    Log-probs are of the temperature-scaled distribution ``softmax(z)``, ``z = logits / T``,
+    renormalised over the position's kept set ``S`` when ``support`` records one (sampling-mask
+    replay): ``log pi^S(a) = z_a - logsumexp_{v in S} z_v``; positions without a set use the full
+    vocabulary. With the engine's sets replayed these equal the engine's behaviour log-probs for
+    every sampling setting (temperature, min-p, top-k, top-p; see :mod:`conveyor.rollout.engine`
+    and docs/design.md, "Truncated sampling: which log-probs").
 
     Args:
         model: A causal LM (transformers ``PreTrainedModel``).
@@ -68,20 +127,26 @@ def token_logprobs(
         targets: ``[R, L]`` int64 next-token ids.
         temperature: Sampling temperature T > 0 the rollouts used.
         chunk_tokens: Positions per lm_head chunk (memory / speed trade-off).
-        with_entropy: Also return the per-token entropy (nats) of ``softmax(logits / T)``,
-            computed without gradient.
+        with_entropy: Also return the per-token entropy (nats) of the FULL temperature-scaled
+            distribution ``softmax(logits / T)`` (not of the truncated one), without gradient.
         mask: Optional ``[R, L]``; only positions with mask > 0 are projected (others get 0),
             which skips the vocabulary projection of prompt tokens.
         attention_mask: Optional ``[R, 1, L, L]`` bool, True where a position may attend (packed
             rows with shared prompts, :mod:`conveyor.trainer.batch`); None = causal attention
             within each sequence, sequences told apart by ``position_ids``.
+        support: Optional ``(ids [N] int64, offsets [R * L + 1] int64)``: the kept set of each
+            position's target as CSR over the row-major positions (``PackedBatch.support``); an
+            empty range = full vocabulary. Per chunk the logits are gathered at the kept ids
+            (``[chunk, largest set]``, padded with -inf), so memory stays one ``[chunk, V]``
+            block; a chunk without sets computes exactly as with ``support=None``.
 
     Returns:
         ``(logprobs [R, L] float32, entropy [R, L] float32 or None)``. Gradients flow into
-        ``logprobs`` when grad is enabled.
+        ``logprobs`` (through the gathered logits of the kept set) when grad is enabled.
 
     Raises:
-        ValueError: shape mismatch or temperature <= 0.
+        ValueError: shape mismatch, temperature <= 0, or a ``support`` whose offsets do not have
+            ``R * L + 1`` entries or whose ids lie outside ``[0, vocabulary size)``.
     """
     if input_ids.shape != position_ids.shape or input_ids.shape != targets.shape or input_ids.dim() != 2:
         raise ValueError(
@@ -94,11 +159,24 @@ def token_logprobs(
     R, L = input_ids.shape
     if attention_mask is not None and attention_mask.shape != (R, 1, L, L):
         raise ValueError(f"attention_mask must be [R, 1, L, L] = {[R, 1, L, L]}, got {list(attention_mask.shape)}")
+    if support is not None:
+        sup_ids, sup_off = support
+        if sup_off.shape != (R * L + 1,):
+            raise ValueError(f"support offsets must have R * L + 1 = {R * L + 1} entries, "
+                             f"got {list(sup_off.shape)}")
+        vocab = head.weight.shape[0]
+        if sup_ids.numel() and (int(sup_ids.min()) < 0 or int(sup_ids.max()) >= vocab):
+            raise ValueError(f"support ids must lie in [0, {vocab}), "
+                             f"got [{int(sup_ids.min())}, {int(sup_ids.max())}]")
+        sup_ids = sup_ids.long()
     hidden = body(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     hidden = hidden.reshape(R * L, -1)
     sel = torch.arange(R * L) if mask is None else mask.reshape(-1).nonzero().squeeze(-1)
     h = hidden.index_select(0, sel)
     tg = targets.reshape(-1).index_select(0, sel)
+    if support is not None:
+        sup_start = sup_off[:-1].index_select(0, sel)
+        sup_size = sup_off.diff().index_select(0, sel)
     inv_t = 1.0 / temperature
     weight = head.weight
     if hidden.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
@@ -110,8 +188,14 @@ def token_logprobs(
     grad = torch.is_grad_enabled()
     for s in range(0, h.shape[0], chunk_tokens):
         hs, ts = h[s : s + chunk_tokens], tg[s : s + chunk_tokens]
-        fn = _chunk_logprobs_entropy if with_entropy else _chunk_logprobs
-        out_c = checkpoint(fn, hs, weight, ts, inv_t, use_reentrant=False) if grad else fn(hs, weight, ts, inv_t)
+        args: tuple = (hs, weight, ts, inv_t)
+        if support is not None and bool((sup_size[s : s + chunk_tokens] > 0).any()):
+            st, sz = sup_start[s : s + chunk_tokens], sup_size[s : s + chunk_tokens]
+            args += _chunk_support(sup_ids, st, sz, ts)
+            fn = _chunk_logprobs_entropy_masked if with_entropy else _chunk_logprobs_masked
+        else:
+            fn = _chunk_logprobs_entropy if with_entropy else _chunk_logprobs
+        out_c = checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args)
         if with_entropy:
             parts.append(out_c[0])
             ents.append(out_c[1])

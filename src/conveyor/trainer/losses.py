@@ -640,6 +640,8 @@ def kl_penalty(
     ref_logprobs: Tensor,
     mask: Tensor,
     kind: Literal["k1", "k2", "k3"] = "k3",
+    *,
+    token_weights: Tensor | None = None,
 ) -> Tensor:
     """Per-token estimate of KL(pi_theta || pi_ref), summed over the counted tokens.
 
@@ -653,18 +655,26 @@ def kl_penalty(
     k3 is the estimator of GRPO (Shao et al. 2024, arXiv 2402.03300, eq. 4:
     ``pi_ref/pi_theta - log(pi_ref/pi_theta) - 1``). In off-policy training the tokens come
     from pi_behav, not pi_theta, so the estimate is approximate (as in GRPO). ``log r`` is
-    clamped to ``+-LOG_RATIO_CLAMP`` before ``exp``. Divide the sum by the global token count
-    (like ``LossOutput.loss_sum``) and multiply by the KL coefficient before adding it to the loss.
+    clamped to ``+-LOG_RATIO_CLAMP`` before ``exp``.
+
+    Aggregation: the penalty is aggregated exactly like the policy loss (verl
+    ``verl/workers/utils/losses.py::ppo_loss``: ``agg_loss(kld, response_mask, loss_agg_mode)``;
+    TRL ``GRPOTrainer._compute_loss`` adds ``beta * per_token_kl`` to the per-token loss before
+    its aggregation): pass the aggregation mode's ``token_weights`` (see
+    ``conveyor.trainer.corrections.aggregation_weights``), divide the weighted sum by the same
+    normaliser as ``LossOutput.loss_sum`` and multiply by the KL coefficient.
 
     Args:
         logprobs: ``[B, T]`` log pi_theta, floating (bf16 ok); carries the gradient.
         ref_logprobs: ``[B, T]`` log pi_ref of the same tokens, detached.
         mask: ``[B, T]`` bool or numeric; non-zero for tokens that count.
         kind: ``"k1"``, ``"k2"`` or ``"k3"``.
+        token_weights: Optional ``[B, T]`` detached per-token weights (e.g. ``1 / n_s`` for
+            ``seq_mean_token_mean``); None = weight 1.
 
     Returns:
-        Scalar tensor (float32, float64 for float64 inputs): the sum of the estimator over the
-        counted tokens; 0 for empty or all-masked input.
+        Scalar tensor (float32, float64 for float64 inputs): the (weighted) sum of the estimator
+        over the counted tokens; 0 for empty or all-masked input.
 
     Raises:
         ValueError: a tensor is not ``[B, T]`` like ``mask`` or not floating; unknown ``kind``.
@@ -680,4 +690,4 @@ def kl_penalty(
         kl = 0.5 * log_r.square()
     else:
         kl = (torch.exp(log_r) - 1.0) - log_r
-    return _masked_sum(kl, m)
+    return _masked_sum(_weighted(kl, token_weights, m), m)

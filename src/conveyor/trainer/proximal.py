@@ -76,7 +76,8 @@ class ProximalStrategy:
        pass, computed with the current parameters;
     2. ``from_forward(theta_logprobs, mb, version)`` when ``old_logprobs`` returned None and the
        gradient pass has run: may transform the detached current log-probs (interpolation);
-    3. ``after_update(model, new_version, metrics)`` after the optimiser step(s).
+    3. ``on_optimizer_step(model, window)`` after every optimiser step of the update (EWMA);
+    4. ``after_update(model, new_version, metrics)`` after the optimiser step(s).
 
     Attributes:
         name: The method name. exact: True if it recovers pi_old_train exactly at any staleness.
@@ -90,6 +91,12 @@ class ProximalStrategy:
 
     def from_forward(self, theta_logprobs: torch.Tensor, mb, version: int) -> torch.Tensor:
         return theta_logprobs
+
+    def on_optimizer_step(self, model: torch.nn.Module, window: int) -> None:
+        """Called after every optimiser step with ``model``'s new parameters; ``window`` is the
+        width of the batch's version window in optimiser steps (its largest staleness x the
+        optimiser steps per update; 0 in a synchronous run)."""
+        return None
 
     def after_update(self, model: torch.nn.Module, new_version: int, metrics: dict[str, float]) -> ProximalStats:
         return ProximalStats()
@@ -170,7 +177,9 @@ def score_partials(trainer, model: torch.nn.Module, partials, version: int) -> i
         model: The model holding version ``version`` (the paused engine's).
         partials: Objects with ``prompt_ids``, ``token_ids``, ``versions`` and a mutable
             ``old_logprobs`` list (:class:`~conveyor.rollout.engine.PartialRequest`, or
-            trajectories' ``metadata["old_logprobs"]`` wrapped the same way).
+            trajectories' ``metadata["old_logprobs"]`` wrapped the same way), and optionally a
+            ``sampling_mask`` (:class:`~conveyor.types.SamplingMask`: kept sets of truncated
+            sampling, replayed so the old log-probs match the trainer's).
         version: The outgoing version.
 
     Returns:
@@ -187,9 +196,13 @@ def score_partials(trainer, model: torch.nn.Module, partials, version: int) -> i
             items.append(p)
     if not items:
         return 0
-    dummy = Sample("partial_sync", "", "", "")
-    trajs = [Trajectory(sample=dummy, group_id=str(i), prompt_ids=list(p.prompt_ids), response_ids=list(p.token_ids),
-                        behaviour_logprobs=[0.0] * len(p.token_ids), versions=list(p.versions)) for i, p in enumerate(items)]
+    # the kept sets of truncated sampling are replayed here too, so old log-probs are renormalised
+    # over the same sets as the behaviour and current ones (docs/design.md, "Truncated sampling")
+    trajs = [Trajectory(sample=Sample(f"partial_sync/request {getattr(p, 'rid', i)}", "", "", ""),
+                        group_id=str(i), prompt_ids=list(p.prompt_ids),
+                        response_ids=list(p.token_ids), behaviour_logprobs=[0.0] * len(p.token_ids),
+                        versions=list(p.versions), sampling_mask=getattr(p, "sampling_mask", None))
+             for i, p in enumerate(items)]
     lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
     scored = 0
     zeros = torch.zeros(len(trajs))
@@ -406,21 +419,45 @@ class Snapshot(ProximalStrategy):
 
 
 class EWMA(ProximalStrategy):
-    """PPO-EWMA (revised, MISSION.md section 2): the proximal policy is a bias-corrected
-    exponentially weighted moving average of the parameters, updated after every optimiser step:
+    """PPO-EWMA (revised, MISSION.md section 2; PPO-EWMA: Hilton, Cobbe & Schulman 2021, "Batch
+    size-invariance for policy optimization", arXiv 2110.00641): the proximal policy is a
+    bias-corrected exponentially weighted moving average of the parameters, updated after every
+    optimiser step (:meth:`on_optimizer_step`)::
 
-        W_t = beta * W_{t-1} + 1
+        W_t = beta * W_{t-1} + 1                  (the bias-correction normaliser, W_0 = 1)
         theta_ewma <- (beta * W_{t-1} / W_t) * theta_ewma + theta / W_t
 
-    ``beta`` fixed (``proximal.ewma_beta``) or adaptive ``beta = W / (W + 2)`` with W the width
-    of the current version window (the batch's largest staleness + 1: the async degree), which
-    puts the average's centre of mass W / 2 steps back. Auto-reset: when the discrepancy
-    keep-rate (share of tokens whose ``pi_ewma / pi_behav`` lies in the loss's discrepancy band)
-    falls below ``reset_keep_rate`` (default 0.90), the EWMA is set to the current parameters and
-    averaging restarts (``W = 0``); the reset is reported as an event.
+    ``beta`` is fixed (``proximal.ewma_beta``, per optimiser step) or adaptive:
+    ``beta = w / (w + 2)`` with ``w`` the width of the current version window in optimiser
+    steps: the batch's largest staleness (versions between its oldest token and the trainer's
+    version, the async degree) times the optimiser steps per update (``trainer.minibatches``; 1
+    by default, so ``w`` is the async degree itself). The average's centre of mass,
+    ``beta / (1 - beta) = w / 2`` steps back, is then the middle of the window; a synchronous
+    batch (``w = 0``) gives ``beta = 0``: the EWMA is exactly the current parameters and the
+    proximal policy equals ``recompute``'s (nothing is averaged).
+
+    Auto-reset: when the discrepancy keep-rate of an update's batch (share of response tokens
+    whose ``pi_ewma / pi_behav`` lies in the loss's discrepancy band) falls below
+    ``reset_keep_rate`` (default 0.90), the EWMA is set to the current parameters after that
+    update and averaging restarts (``W_t = 1``); the reset is reported as an ``ewma_reset``
+    event. docs/results/proximal.md ("EWMA: as specified, and why the auto-reset fires")
+    measures when it fires and why: with a policy that moves fast per update it fires every time.
+
+    Checkpoint state (format 2): ``W``, ``resets``, ``updates``, ``params``; format-1 states
+    (before issue 10: no ``format`` key) load unchanged, as ``W`` and the parameters mean the same.
+
+    Args:
+        model: The policy; its parameters seed the average.
+        beta: Fixed decay per optimiser step in ``[0, 1)``, or None (adaptive).
+        reset_keep_rate: Keep-rate below which the EWMA resets, in ``[0, 1]``.
+        discrepancy_low / discrepancy_high: The discrepancy band of ``pi_ewma / pi_behav``.
+
+    Raises:
+        ValueError: ``beta`` out of range.
     """
 
     name = "ewma"
+    STATE_FORMAT = 2
 
     def __init__(self, model: torch.nn.Module, *, beta: float | None = None, reset_keep_rate: float = 0.90,
                  discrepancy_low: float = 0.8, discrepancy_high: float = 1.25):
@@ -437,6 +474,9 @@ class EWMA(ProximalStrategy):
         self._kept = 0
         self._counted = 0
         self.resets = 0
+        self.updates = 0  # EWMA steps (= optimiser steps) since the start of the run
+        self._step_updates = 0  # ... in the current policy update
+        self._window: int | None = None  # the window of the last EWMA step
 
     def old_logprobs(self, trainer, mb):
         with torch.no_grad():
@@ -448,22 +488,39 @@ class EWMA(ProximalStrategy):
         return lp
 
     def current_beta(self, window: int) -> float:
-        """The decay: fixed, or ``W / (W + 2)`` for a version window of width ``window``."""
+        """The decay: fixed, or ``w / (w + 2)`` for a version window ``w`` optimiser steps wide.
+
+        Raises:
+            ValueError: ``window < 0``.
+        """
+        if window < 0:
+            raise ValueError(f"the version window must be >= 0 optimiser steps, got {window}")
         return self.beta if self.beta is not None else window / (window + 2.0)
 
     @torch.no_grad()
     def update(self, model: torch.nn.Module, window: int) -> None:
-        """One bias-corrected EWMA step towards ``model``'s parameters."""
+        """One bias-corrected EWMA step towards ``model``'s parameters (``window``: see
+        :meth:`current_beta`). With ``beta = 0`` the EWMA becomes an exact copy."""
         beta = self.current_beta(window)
         w_prev = self.W
         self.W = beta * w_prev + 1.0
         a = beta * w_prev / self.W
         src = dict(model.state_dict())
+        done: set[int] = set()
         for k, t in self.model.state_dict().items():
-            if t.is_floating_point():
+            if t.data_ptr() in done:  # a tied weight (embedding = output projection): once
+                continue
+            done.add(t.data_ptr())
+            if t.is_floating_point() and a > 0.0:
                 t.mul_(a).add_(src[k].to(t.dtype), alpha=1.0 / self.W)
             else:
                 t.copy_(src[k])
+
+    def on_optimizer_step(self, model, window):
+        self.update(model, window)
+        self.updates += 1
+        self._step_updates += 1
+        self._window = window
 
     @torch.no_grad()
     def reset(self, model: torch.nn.Module) -> None:
@@ -474,31 +531,46 @@ class EWMA(ProximalStrategy):
 
     def after_update(self, model, new_version, metrics):
         keep = self._kept / self._counted if self._counted else 1.0
-        window = int(metrics.get("staleness/max", 0.0)) + 1
-        st = ProximalStats({"proximal/ewma_keep_rate": keep, "proximal/ewma_beta": self.current_beta(window),
-                            "proximal/ewma_W": self.W})
+        window = self._window if self._window is not None else 0
+        st = ProximalStats({
+            "proximal/ewma_keep_rate": keep, "proximal/ewma_beta": self.current_beta(window),
+            "proximal/ewma_window": float(window), "proximal/ewma_W": self.W,
+            "proximal/ewma_updates": float(self._step_updates),
+        })
         if self._counted and keep < self.reset_keep_rate:
             self.reset(model)
             st.events.append({"event": "ewma_reset", "version": new_version, "keep_rate": keep,
                               "threshold": self.reset_keep_rate})
             log.info("EWMA proximal policy reset at version %d (keep-rate %.3f < %.2f)", new_version, keep, self.reset_keep_rate)
-        else:
-            self.update(model, window)
         st.values["proximal/ewma_resets"] = float(self.resets)
-        self._kept = self._counted = 0
+        self._kept = self._counted = self._step_updates = 0
         return st
 
     def extra_bytes(self) -> int:
         return self._copy_bytes
 
     def state_dict(self) -> dict:
-        return {"W": self.W, "resets": self.resets, "params": {k: v.clone() for k, v in self.model.state_dict().items()}}
+        params = {k: v.clone() for k, v in self.model.state_dict().items()}
+        return {"format": self.STATE_FORMAT, "W": self.W, "resets": self.resets,
+                "updates": self.updates, "params": params}
 
     def load_state_dict(self, state: dict) -> None:
-        if state:
-            self.W = state["W"]
-            self.resets = state["resets"]
-            self.model.load_state_dict(state["params"])
+        """Restore :meth:`state_dict` output (format 2, or format 1 from before issue 10).
+
+        Raises:
+            ValueError: a state of an unknown (newer) format, or one without ``W`` / ``params``.
+        """
+        if not state:
+            return
+        fmt = int(state.get("format", 1))
+        if fmt > self.STATE_FORMAT or "W" not in state or "params" not in state:
+            raise ValueError(
+                f"EWMA proximal state: format {fmt} with keys {sorted(state)} cannot be loaded by "
+                f"this version of conveyor (reads formats 1-{self.STATE_FORMAT} with W and params)")
+        self.W = float(state["W"])
+        self.resets = int(state.get("resets", 0))
+        self.updates = int(state.get("updates", 0))
+        self.model.load_state_dict(state["params"])
 
 
 def choose_auto(model: torch.nn.Module, eta: int | None, budget_bytes: int) -> tuple[str, str]:

@@ -17,6 +17,8 @@ from contextlib import nullcontext
 import torch
 
 from conveyor.config import LossConfig, ProximalConfig, TrainerConfig
+from conveyor.faults import fault_point
+from conveyor.hardware import resolve_bf16
 from conveyor.memory import release_free_memory, set_malloc_mmap_threshold
 from conveyor.sync import WeightUpdate
 from conveyor.trainer import advantages as adv_lib
@@ -39,7 +41,17 @@ log = logging.getLogger(__name__)
 
 class NonFiniteLossError(RuntimeError):
     """Raised after ``trainer.max_nonfinite_in_a_row`` consecutive steps with a non-finite loss or
-    gradient norm (each such step is skipped and logged before)."""
+    gradient norm (each such step is skipped and logged before).
+
+    Attributes:
+        metrics: The metrics of the step that raised it (skipped, ``train/skipped_nonfinite`` =
+            1; the version was incremented), for the runtime to log before it stops, so the
+            logs and the checkpoint agree on every step.
+    """
+
+    def __init__(self, message: str, metrics: dict[str, float] | None = None):
+        super().__init__(message)
+        self.metrics = metrics or {}
 
 
 def compute_advantages(trajectories: list[Trajectory], estimator: str) -> torch.Tensor:
@@ -94,6 +106,9 @@ class Trainer:
                  max_new_tokens: int | None = None):
         self.model = model
         self.cfg = trainer_cfg
+        # bf16 autocast where the hardware makes it faster (trainer.bf16=auto, conveyor.hardware)
+        self.bf16, self.precision_note = resolve_bf16(trainer_cfg.bf16, "cpu")
+        log.info(self.precision_note)
         self.loss_cfg = loss_cfg
         self.temperature = temperature if temperature > 0 else 1.0
         self.version = version
@@ -156,7 +171,7 @@ class Trainer:
         # Without the weight cache every autocast matmul casts its fp32 weight afresh: under activation
         # checkpointing the cache would hold a bf16 copy of all weights (~270 MB for SmolLM2) through
         # the recomputation for little gain.
-        if not self.cfg.bf16:
+        if not self.bf16:
             return nullcontext()
         return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=self.cfg.use_autocast_weight_cache)
 
@@ -165,7 +180,7 @@ class Trainer:
             return token_logprobs(
                 model, mb.input_ids, mb.position_ids, mb.targets, temperature=self.temperature,
                 chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy, mask=mb.mask,
-                attention_mask=mb.attention_mask,
+                attention_mask=mb.attention_mask, support=mb.support,  # sampling-mask replay
             )
 
     def weight_update(self) -> WeightUpdate:
@@ -239,6 +254,7 @@ class Trainer:
         skipped = False
         aggs = [corr_lib.aggregation_weights(mb.mask, lc.aggregation, seq_index=mb.seq_index, constant=self.aggregation_constant)
                 for mb in mbs]
+        poison = fault_point("loss")  # chaos suite: a non-finite loss injected in this step
         for grp in groups:
             denom = sum(aggs[j][1] for j in grp)
             if denom == 0:
@@ -292,10 +308,16 @@ class Trainer:
                     )
                 loss = out.loss_sum
                 if refs[j] is not None:
-                    kl = loss_lib.kl_penalty(lp, refs[j], mb.mask, kind="k3")
-                    kl_sum += float(kl.detach())
+                    # aggregated like the policy loss (loss.aggregation's weights and denominator;
+                    # verl agg_loss on the KL term); not masked by loss.kl_reject (verl drops
+                    # rejected tokens from its mask altogether); train/kl_ref: per-token mean
+                    kl = loss_lib.kl_penalty(lp, refs[j], mb.mask, kind="k3",
+                                             token_weights=aggs[j][0])
+                    kl_sum += float(loss_lib.kl_penalty(lp.detach(), refs[j], mb.mask, kind="k3"))
                     loss = loss + lc.kl_coef * kl
                 loss = loss / denom  # exact global normalisation over the minibatch (loss.aggregation)
+                if poison:
+                    loss = loss * float("nan")
                 if not torch.isfinite(loss):
                     finite = False
                     break
@@ -309,16 +331,23 @@ class Trainer:
                 skipped = True
                 break
             grad_norms.append(float(gn))
+            fault_point("train_step")  # chaos suite: a kill inside a train step
             self.optimizer.step()
             self.scheduler.step()
+            # per-optimiser-step proximal state (the EWMA); window: the batch's version window in
+            # optimiser steps (MISSION.md section 2)
+            t_ew = time.perf_counter()
+            self.proximal.on_optimizer_step(self.model, int(metrics["staleness/max"]) * n_mini)
+            metrics["time/proximal_s"] += time.perf_counter() - t_ew
         self.model.eval()
 
         self.version += 1
+        stop: NonFiniteLossError | None = None
         if skipped:
             self.nonfinite_in_a_row += 1
             log.warning("step %d: non-finite loss or gradient norm, update skipped (%d in a row)", self.version, self.nonfinite_in_a_row)
             if self.nonfinite_in_a_row >= cfg.max_nonfinite_in_a_row:
-                raise NonFiniteLossError(
+                stop = NonFiniteLossError(  # raised with this step's metrics, below
                     f"{self.nonfinite_in_a_row} consecutive steps had a non-finite loss or gradient "
                     f"norm (trainer.max_nonfinite_in_a_row={cfg.max_nonfinite_in_a_row}); stopping. "
                     "Lower trainer.lr or check the rewards."
@@ -355,6 +384,9 @@ class Trainer:
         metrics["proximal/extra_bytes"] = float(self.proximal.extra_bytes())
         metrics["time/train_step_s"] = time.perf_counter() - t0
         metrics["train/tokens_per_s"] = n_tok / metrics["time/train_step_s"]
+        if stop is not None:
+            stop.metrics = metrics
+            raise stop
         return metrics
 
     # ------------------------------------------------------------------ checkpointing

@@ -1,0 +1,172 @@
+"""Start-up checks of a training run: settings and data that cannot work are refused or named
+before the run directory is created, with the numbers.
+
+- :func:`check_prompt_lengths`: prompts that fill the model's context are dropped and counted
+  (the run is refused when none is left); ``rollout.max_new_tokens`` beyond what the context
+  leaves after a prompt is reported (responses would be cut silently otherwise).
+- :func:`config_warnings`: settings that are legal but probably not what the user meant (a
+  changed ``data.train`` evaluated on the default held-out set; greedy single-response
+  sampling).
+
+The refusals for settings that can never learn (``rollout.temperature=0`` with groups) are
+config validation (:mod:`conveyor.config`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from conveyor.config import DataConfig, TrainConfig
+from conveyor.data import DatasetError
+from conveyor.prompts import build_messages, build_prompt_ids
+from conveyor.types import Sample
+
+_SENTINEL = "\x00conveyor-question\x00"
+
+
+@dataclass
+class PromptLengthReport:
+    """What :func:`check_prompt_lengths` found.
+
+    Attributes:
+        context: The model's context length (``max_position_embeddings``, tokens); None if the
+            model does not say (then nothing is checked).
+        max_new_tokens: The response budget checked (tokens).
+        samples: Samples checked.
+        too_long: ``(sample id, prompt tokens)`` of the prompts dropped (``>= context``).
+        cut: Kept samples whose ``prompt + max_new_tokens > context``: their responses can be at
+            most ``context - prompt`` tokens.
+        min_room: The smallest ``context - prompt`` among them (tokens), None when ``cut == 0``.
+        tokenized: Prompts tokenized exactly (the others are provably short, see
+            :func:`check_prompt_lengths`).
+    """
+
+    context: int | None
+    max_new_tokens: int
+    samples: int
+    too_long: list[tuple[str, int]] = field(default_factory=list)
+    cut: int = 0
+    min_room: int | None = None
+    tokenized: int = 0
+
+    def messages(self, what: str, budget_key: str = "rollout.max_new_tokens") -> list[str]:
+        """Human-readable warnings (empty when everything fits); ``what`` names the data set,
+        ``budget_key`` the config key of :attr:`max_new_tokens`."""
+        out = []
+        if self.too_long:
+            ids = ", ".join(f"{sid} ({n} tokens)" for sid, n in self.too_long[:3])
+            more = f" and {len(self.too_long) - 3} more" if len(self.too_long) > 3 else ""
+            out.append(
+                f"{what}: {len(self.too_long)} of {self.samples} prompts are longer than the "
+                f"model's context of {self.context} tokens and are skipped: {ids}{more}"
+            )
+        if self.cut:
+            out.append(
+                f"{what}: {budget_key}={self.max_new_tokens} does not fit the model's context of "
+                f"{self.context} tokens after the prompt for {self.cut} of {self.samples} prompts: "
+                f"their responses are cut at context - prompt tokens (as few as {self.min_room})"
+            )
+        return out
+
+
+def _bound_fn(tokenizer, instruction: str):
+    """An upper bound on a sample's prompt tokens from its question's UTF-8 bytes.
+
+    Every token of a byte-level BPE (and of a byte-fallback SentencePiece) tokenizer covers at
+    least one byte of the rendered text, so ``tokens <= bytes(rendered prompt)`` plus the
+    special tokens the template adds (counted exactly from a rendering with an empty question).
+    """
+    rendered = tokenizer.apply_chat_template(
+        build_messages(Sample("x", _SENTINEL, "", ""), instruction),
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    overhead = len(rendered.encode("utf-8")) - len(_SENTINEL.encode("utf-8"))
+    specials = len(build_prompt_ids(tokenizer, Sample("x", "", "", ""), instruction))
+    return lambda s: len(s.question.encode("utf-8")) + overhead + specials
+
+
+def check_prompt_lengths(
+    samples: Sequence[Sample], tokenizer, instruction: str, context: int | None, max_new_tokens: int
+) -> tuple[list[Sample], PromptLengthReport]:
+    """Drop the samples whose chat-formatted prompt fills the model's context, and count those
+    whose response budget the context cuts.
+
+    Only prompts that could be long are tokenized: a byte bound (see :func:`_bound_fn`) proves
+    the rest fit, so the check costs nothing for short prompts (tokenizing all 7,473 GSM8K
+    questions would take ~10 s on 2 cores).
+
+    Args:
+        samples: The data set.
+        tokenizer: The policy's tokenizer (chat template).
+        instruction: The instruction the workflow appends to each question.
+        context: ``max_position_embeddings`` (tokens), or None (nothing is checked).
+        max_new_tokens: ``rollout.max_new_tokens`` (tokens).
+
+    Returns:
+        ``(kept samples, report)``.
+    """
+    report = PromptLengthReport(
+        context=context, max_new_tokens=max_new_tokens, samples=len(samples)
+    )
+    if not context or not samples:
+        return list(samples), report
+    bound = _bound_fn(tokenizer, instruction)
+    kept = []
+    for s in samples:
+        if bound(s) + max_new_tokens <= context:
+            kept.append(s)
+            continue
+        n = len(build_prompt_ids(tokenizer, s, instruction))
+        report.tokenized += 1
+        if n >= context:
+            report.too_long.append((s.id, n))
+            continue
+        kept.append(s)
+        if n + max_new_tokens > context:
+            report.cut += 1
+            room = context - n
+            report.min_room = room if report.min_room is None else min(report.min_room, room)
+    return kept, report
+
+
+def require_samples(
+    samples: Sequence[Sample], spec: str, report: PromptLengthReport | None = None
+) -> None:
+    """Refuse a training set with nothing to train on.
+
+    Raises:
+        DatasetError: ``samples`` is empty (the message names ``spec`` and, when prompts were
+            dropped for length, how many and the context).
+    """
+    if samples:
+        return
+    if report is not None and report.too_long:
+        raise DatasetError(
+            f"data.train={spec}: all {report.samples} prompts are longer than the model's "
+            f"context of {report.context} tokens (the shortest has "
+            f"{min(n for _, n in report.too_long)} tokens); nothing to train on"
+        )
+    raise DatasetError(f"data.train={spec}: the data set has no samples")
+
+
+def config_warnings(cfg: TrainConfig) -> list[str]:
+    """Warnings about legal settings that are probably mistakes (printed, logged to
+    ``train.log`` and recorded as ``events.jsonl`` ``warning`` events by the runtime)."""
+    out = []
+    default = DataConfig()
+    if cfg.data.heldout and cfg.data.train != default.train and cfg.data.heldout == default.heldout:
+        out.append(
+            f"data.train={cfg.data.train} but data.heldout is still the default "
+            f"{default.heldout}: the held-out accuracy before / after measures that set, not the "
+            "one trained on; set data.heldout (e.g. the :heldout split of your set) or "
+            "data.heldout= (empty) to turn it off"
+        )
+    if cfg.rollout.temperature == 0 and cfg.rollout.group_size == 1:
+        out.append(
+            "rollout.temperature=0: the behaviour policy is greedy (deterministic), so training "
+            "only re-weights the argmax response by its reward relative to the batch; nothing "
+            "explores (temperature > 0 samples)"
+        )
+    return out

@@ -1,0 +1,301 @@
+"""The run-directory protocol of a training process: what happens around the training loop.
+
+:func:`conveyor.train.run_training` drives these steps (issue 10, sections 2 and 5):
+
+- start-up checks before the run directory is touched (:func:`preflight_samples`,
+  :func:`check_resume_compatible`), so bad input leaves nothing behind;
+- one process per run directory (:class:`RunContext` holds the
+  :class:`~conveyor.runtime_files.RunLock` and everything else to release);
+- a resume that does nothing for a finished run (:func:`finished_result`), and otherwise first
+  repairs what a crash left (:func:`prepare_resume`: stale checkpoint writes, log rows after the
+  checkpoint);
+- the checkpoint when the loop ends (:func:`final_checkpoint`) and the failure counts on the
+  console (:func:`report_failures`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.markup import escape
+
+from conveyor.checkpoint import (
+    checkpoint_version,
+    clean_stale_checkpoint_dirs,
+    latest_checkpoint,
+    save_checkpoint,
+)
+from conveyor.config import TrainConfig, load_config
+from conveyor.preflight import check_prompt_lengths, config_warnings, require_samples
+from conveyor.prompts import resolve_instruction
+from conveyor.runlog import FailureCounter, MetricsLogger, supersede_after
+from conveyor.runtime_files import RunLock
+from conveyor.shutdown import Interrupts
+
+if TYPE_CHECKING:
+    from conveyor.trainer.trainer import Trainer
+
+log = logging.getLogger("conveyor.train")  # the runtime's logger: same name in train.log
+
+
+@dataclass
+class TrainResult:
+    """What a finished (or interrupted) run reports.
+
+    Attributes:
+        run_dir: The run directory. steps: policy version reached.
+        heldout_before / heldout_after: greedy held-out pass@1 (None when not evaluated).
+        wall_seconds: Training-loop wall-clock (s). interrupted: stopped by Ctrl-C / SIGTERM.
+        trainer_busy / engine_busy: Busy fractions of the training-loop wall-clock.
+    """
+
+    run_dir: Path
+    steps: int
+    heldout_before: float | None
+    heldout_after: float | None
+    wall_seconds: float
+    interrupted: bool
+    trainer_busy: float
+    engine_busy: float
+
+
+# keys a resumed run must keep (the checkpoint was made with them)
+FIXED_ON_RESUME = (
+    ("model", "name"),
+    ("run", "dir"),
+    ("rollout", "group_size"),
+    ("trainer", "batch_size"),
+)
+# keys that decide which problems the held-out evaluation asks and how: fixed once
+# eval_before.json exists, or "before" and "after" would measure different things
+FIXED_FOR_HELDOUT = (
+    ("data", "heldout"),
+    ("data", "heldout_limit"),
+    ("data", "split_seed"),
+    ("data", "instruction"),
+    ("run", "eval_max_new_tokens"),
+    ("rollout", "tool"),
+    ("rollout", "max_tool_calls"),
+)
+
+
+def check_resume_compatible(run_dir: Path, cfg: TrainConfig) -> None:
+    """Refuse overrides a resume cannot honour.
+
+    Raises:
+        ValueError: a key of ``FIXED_ON_RESUME`` changed, or a key of ``FIXED_FOR_HELDOUT``
+            changed while ``eval_before.json`` exists (the message names the key, both values
+            and why).
+    """
+    saved = load_config(run_dir / "config.json")
+    for section, key in FIXED_ON_RESUME:
+        old, new = getattr(getattr(saved, section), key), getattr(getattr(cfg, section), key)
+        if old != new:
+            raise ValueError(
+                f"--resume {run_dir}: {section}.{key} cannot change on resume "
+                f"(checkpoint has {old!r}, got {new!r})"
+            )
+    if not (run_dir / "eval_before.json").is_file():
+        return
+    for section, key in FIXED_FOR_HELDOUT:
+        old, new = getattr(getattr(saved, section), key), getattr(getattr(cfg, section), key)
+        if old != new:
+            raise ValueError(
+                f"--resume {run_dir}: {section}.{key} cannot change on resume (the run has "
+                f"{old!r}, got {new!r}): eval_before.json was measured with {old!r}, so the "
+                "held-out accuracy after training would not be comparable; keep it, or start a "
+                "new run"
+            )
+
+
+# ---------------------------------------------------------------------- run-directory protocol
+class RunContext:
+    """What one run holds and must give back however it ends: the run directory's lock, the
+    engine / controller threads, reward worker processes, open logs (released in reverse order
+    by :meth:`close`); the signal policy (:class:`~conveyor.shutdown.Interrupts`); and what a
+    :class:`~conveyor.shutdown.StopNow` report needs."""
+
+    def __init__(self, console):
+        self.console = console
+        self.interrupts = Interrupts(say=console.print)
+        self.stack = contextlib.ExitStack()
+        self.run_dir: Path | None = None
+        self.logger: MetricsLogger | None = None
+        self.trainer: Trainer | None = None
+        self.start_version = 0
+        self.phase = "start-up"
+
+    def lock(self, run_dir: Path) -> None:
+        """Take ``run_dir``'s lock for the rest of the run (RunDirInUseError if held)."""
+        lock = RunLock(run_dir).acquire()
+        self.stack.callback(lock.release)
+        self.run_dir = run_dir
+
+    def close(self) -> None:
+        """Release everything (reverse order of acquisition), then restore the signal handlers."""
+        try:
+            self.stack.close()
+        finally:
+            self.interrupts.restore()
+
+    def stop_report(self) -> str:
+        """What a second Ctrl-C left behind, in one sentence: the newest checkpoint, the steps
+        not saved, how to continue."""
+        if self.run_dir is None:
+            return "stopped now, before the run directory was created: nothing was written"
+        ckpt = latest_checkpoint(self.run_dir)
+        version = self.trainer.version if self.trainer is not None else None
+        if ckpt is None:
+            return (
+                f"stopped now (during {self.phase}): no checkpoint was written in {self.run_dir}; "
+                "start the run again (the same command)"
+            )
+        lost = ""
+        if version is not None and checkpoint_version(ckpt) < version:
+            lost = (
+                f"; versions {checkpoint_version(ckpt) + 1}-{version} were trained but not saved "
+                "and will be trained again"
+            )
+        return (
+            f"stopped now (during {self.phase}): the newest checkpoint is {ckpt.name}{lost}; "
+            f"continue with: conveyor train --resume {self.run_dir}"
+        )
+
+
+def finished_result(run_dir: Path, cfg: TrainConfig, console) -> TrainResult | None:
+    """A :class:`TrainResult` read from ``summary.json`` when the run already finished (not
+    interrupted, at ``>= trainer.total_steps``): a resume then has nothing to do and must not
+    re-run the evaluation or the export. None otherwise."""
+    p = run_dir / "summary.json"
+    try:
+        s = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+    if (
+        s.get("interrupted")
+        or not isinstance(s.get("steps"), int)
+        or s["steps"] < cfg.trainer.total_steps
+    ):
+        return None
+    console.print(
+        f"{run_dir} finished at version {s['steps']} (trainer.total_steps="
+        f"{cfg.trainer.total_steps}): nothing to do, nothing changed. To train longer: "
+        f"conveyor train --resume {run_dir} trainer.total_steps=N (N > {s['steps']})"
+    )
+    return TrainResult(
+        run_dir,
+        s["steps"],
+        s.get("heldout_before"),
+        s.get("heldout_after"),
+        float(s.get("wall_seconds", 0.0)),
+        False,
+        float(s.get("trainer_busy", 0.0)),
+        float(s.get("engine_busy", 0.0)),
+    )
+
+
+def prepare_resume(run_dir: Path, version: int) -> dict:
+    """Before a resumed process writes anything: remove what interrupted checkpoint writes left,
+    supersede the log rows written after the checkpoint (:func:`conveyor.runlog.supersede_after`)
+    and drop the stale ``summary.json`` (rewritten at the end). Returns what was done (for the
+    ``resume`` event)."""
+    cleaned = clean_stale_checkpoint_dirs(run_dir)
+    superseded = {k: v for k, v in supersede_after(run_dir, version).items() if v}
+    (run_dir / "summary.json").unlink(missing_ok=True)
+    return {"cleaned": cleaned, "superseded_rows": superseded}
+
+
+def preflight_samples(cfg: TrainConfig, train_samples, heldout, tokenizer, policy):
+    """Prompt-length checks of the training and held-out sets against the model's context
+    (:func:`conveyor.preflight.check_prompt_lengths`) and the config warnings.
+
+    Returns:
+        ``(train samples kept, held-out samples kept, prompts dropped, warnings)``.
+
+    Raises:
+        DatasetError: no training sample left (the message names the data set and why).
+    """
+    context = getattr(policy.config, "max_position_embeddings", None)
+    train_samples, rep = check_prompt_lengths(
+        train_samples,
+        tokenizer,
+        resolve_instruction(cfg.data.instruction, cfg.data.train),
+        context,
+        cfg.rollout.max_new_tokens,
+    )
+    require_samples(train_samples, cfg.data.train, rep)
+    warnings = rep.messages(
+        f"data.train={cfg.data.train}", "rollout.max_new_tokens"
+    ) + config_warnings(cfg)
+    if cfg.data.heldout and not heldout:
+        warnings.append(f"data.heldout={cfg.data.heldout} has no samples: no held-out evaluation")
+    if heldout:
+        heldout, hrep = check_prompt_lengths(
+            heldout,
+            tokenizer,
+            resolve_instruction(cfg.data.instruction, cfg.data.heldout),
+            context,
+            cfg.run.eval_max_new_tokens,
+        )
+        warnings += hrep.messages(f"data.heldout={cfg.data.heldout}", "run.eval_max_new_tokens")
+    return train_samples, heldout, len(rep.too_long), warnings
+
+
+def announce(warnings: list[str], logger: MetricsLogger, console) -> None:
+    """Each warning on the console, in train.log and as a ``warning`` event."""
+    for w in warnings:
+        console.print(f"[bold yellow]warning:[/] {escape(w)}", emoji=False)
+        log.warning(w, extra={"console": False})
+        logger.event("warning", message=w)
+
+
+def final_checkpoint(
+    run_dir: Path,
+    trainer: Trainer,
+    controller,
+    logger: MetricsLogger,
+    cfg: TrainConfig,
+    error: BaseException | None,
+    interrupted: bool,
+) -> None:
+    """The checkpoint when the training loop ends: after an error or a Ctrl-C (nothing computed
+    is lost), and at the normal end unless ``run.final_checkpoint=none``. Never after a step cut
+    short by a second Ctrl-C (its state may be half-updated).
+
+    Raises:
+        RunFileError: the write failed at the normal end (e.g. a full disk): a clear error rather
+            than a run that reports success without its checkpoint. After an error it is logged
+            and the original error wins.
+    """
+    if isinstance(error, KeyboardInterrupt | SystemExit) or (
+        trainer.version == 0 and not interrupted
+    ):
+        return
+    finished = error is None and not interrupted and trainer.version >= cfg.trainer.total_steps
+    if finished and cfg.run.final_checkpoint == "none":
+        logger.event("checkpoint_skipped", reason="run.final_checkpoint=none")
+        return
+    try:
+        p = save_checkpoint(run_dir, trainer, controller, keep=cfg.run.keep_checkpoints)
+        logger.event("checkpoint", path=str(p), version=trainer.version, final=True)
+    except Exception as e:
+        log.exception("final checkpoint failed")
+        logger.event("checkpoint_failed", error=str(e))
+        if error is None:
+            raise
+
+
+def report_failures(counter: FailureCounter, controller, console) -> None:
+    """At most one console line every few seconds with the new reward failures / failed
+    episodes (each one, with its traceback, is in train.log)."""
+    st = controller.stats
+    line = counter.update(
+        {"reward failures": st.reward_failures, "failed episodes": st.episodes_failed}
+    )
+    if line:
+        console.print(f"[yellow]{line}[/]")

@@ -1,0 +1,172 @@
+"""A run's export carries its evaluation settings (issue 10, section 5b): ``conveyor eval --model
+RUN/export`` reproduces the run's own held-out figure by default, and the eval JSON records the
+tool, instruction and sampling settings it used."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import conveyor.eval as eval_mod
+import conveyor.rollout.tools as tools
+from conveyor.cli import app
+from conveyor.config import load_config
+from conveyor.eval import EXPORT_SETTINGS_FILE, load_export_settings
+from conveyor.train import run_training
+
+RUN = [
+    "model.name=tiny",
+    "trainer.batch_size=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=8",
+    "data.heldout_limit=3",
+    "run.eval_max_new_tokens=6",
+    "run.progress=false",
+    "run.export=true",
+    "run.eval_before=false",
+    "reward.workers=1",
+    "trainer.lr=1e-3",
+    "trainer.total_steps=1",
+    "rollout.tool=calculator",
+    "rollout.max_tool_calls=3",
+    "data.instruction=Reply with 'Answer: N'.",
+]
+
+
+@pytest.fixture(scope="module")
+def exported_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("export_run") / "r"
+    cfg = load_config(None, RUN + [f"run.dir={run}"])
+    run_training(cfg)
+    return run, cfg
+
+
+def _eval(tmp_path, monkeypatch, *args, thread_checks=False):
+    """``conveyor eval ARGS -o FILE``: the JSON written and how many calculator episodes ran.
+    ``thread_checks``: check answers in threads (no worker process start; for tests of the
+    settings only)."""
+    calls = []
+    if thread_checks:
+        real_service = eval_mod.RewardService
+        monkeypatch.setattr(
+            eval_mod,
+            "RewardService",
+            lambda *a, **kw: real_service(*a, **{**kw, "backend": "thread"}),
+        )
+    real = tools.generate_with_calculator
+
+    async def counting(*a, **kw):
+        calls.append(1)
+        return await real(*a, **kw)
+
+    monkeypatch.setattr(tools, "generate_with_calculator", counting)
+    out = tmp_path / f"eval{len(list(tmp_path.iterdir()))}.json"
+    res = CliRunner().invoke(app, ["eval", *args, "--no-progress", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    return json.loads(out.read_text()), len(calls)
+
+
+def test_export_settings_file(exported_run):
+    run, cfg = exported_run
+    s = load_export_settings(run / "export")
+    assert s["tool"] == "calculator" and s["max_tool_calls"] == 3
+    assert s["instruction"] == "Reply with 'Answer: N'."
+    assert s["data"] == {
+        "train": cfg.data.train,
+        "heldout": cfg.data.heldout,
+        "heldout_limit": 3,
+        "split_seed": cfg.data.split_seed,
+    }
+    assert s["eval"]["dataset"] == cfg.data.heldout and s["eval"]["temperature"] == 0.0
+    assert (
+        s["eval"]["max_new_tokens"] == 6
+        and s["training_sampling"]["temperature"] == cfg.rollout.temperature
+    )
+    assert s["policy_version"] == 1 and s["export_dtype"] == "float32"
+    assert s["heldout_pass_at_1"] == json.loads((run / "eval_after.json").read_text())["pass_at_1"]
+
+
+def test_eval_of_an_export_reproduces_the_runs_own_evaluation(exported_run, tmp_path, monkeypatch):
+    run, cfg = exported_run
+    ev, tool_calls = _eval(tmp_path, monkeypatch, "--model", str(run / "export"))
+    own = json.loads((run / "eval_after.json").read_text())
+    # the recorded settings are the run's, taken from the export
+    assert ev["settings_from"] == str(run / "export" / EXPORT_SETTINGS_FILE)
+    assert (ev["tool"], ev["max_tool_calls"], ev["instruction"]) == (
+        "calculator",
+        3,
+        "Reply with 'Answer: N'.",
+    )
+    assert (ev["dataset"], ev["num_problems"], ev["split_seed"]) == (
+        cfg.data.heldout,
+        3,
+        cfg.data.split_seed,
+    )
+    assert (ev["temperature"], ev["top_p"], ev["max_new_tokens"]) == (0.0, 1.0, 6)
+    assert tool_calls == 3  # every problem was answered by the calculator agent
+    # same settings, same policy: the same responses and the same figure as the run's evaluation
+    for key in (
+        "tool",
+        "max_tool_calls",
+        "instruction",
+        "temperature",
+        "max_new_tokens",
+        "dataset",
+    ):
+        assert ev[key] == own[key], key
+    assert [r["responses"] for r in ev["records"]] == [r["responses"] for r in own["records"]]
+    assert ev["pass_at_1"] == own["pass_at_1"]
+
+
+def test_eval_flags_override_the_export_settings(exported_run, tmp_path, monkeypatch):
+    run, _ = exported_run
+    ev, tool_calls = _eval(
+        tmp_path,
+        monkeypatch,
+        "--model",
+        str(run / "export"),
+        "--tool",
+        "none",
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--instruction",
+        "Go.",
+        thread_checks=True,
+    )
+    assert (ev["tool"], ev["num_problems"], ev["max_new_tokens"], ev["instruction"]) == (
+        "none",
+        2,
+        4,
+        "Go.",
+    )
+    assert tool_calls == 0
+
+
+def test_eval_without_export_settings_uses_the_builtin_defaults(tmp_path, monkeypatch):
+    ev, tool_calls = _eval(
+        tmp_path,
+        monkeypatch,
+        "--model",
+        "tiny",
+        "--n",
+        "1",
+        "--max-new-tokens",
+        "2",
+        thread_checks=True,
+    )
+    assert ev["settings_from"] is None and ev["tool"] == "none" and tool_calls == 0
+    assert ev["dataset"] == "mawps:singleop" and ev["temperature"] == 0.0
+
+
+def test_bad_export_settings_named(tmp_path):
+    (tmp_path / EXPORT_SETTINGS_FILE).write_text('{"tool": 3}')
+    with pytest.raises(ValueError, match=r"conveyor\.json: key 'tool'"):
+        load_export_settings(tmp_path)
+    (tmp_path / EXPORT_SETTINGS_FILE).write_text("[1]")
+    with pytest.raises(ValueError, match="JSON object"):
+        load_export_settings(tmp_path)
+    assert load_export_settings(tmp_path / "nowhere") is None

@@ -1,0 +1,275 @@
+"""Crash, resume and the run directory's logs (issue 10, section 2), with real processes:
+kill -9 of a running `conveyor train`, a second process refused by the run-directory lock, the
+resume that supersedes what the killed process logged after its checkpoint, and the resume of a
+finished run that changes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conveyor.checkpoint import checkpoint_version, latest_checkpoint
+from conveyor.config import load_config
+from conveyor.runlog import read_jsonl
+from conveyor.train import load_run_config, run_training
+
+FAST = [
+    "model.name=tiny",
+    "trainer.batch_size=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=8",
+    "run.progress=false",
+    "run.export=false",
+    "reward.workers=1",
+    "rollout.tool=none",
+    "trainer.num_threads=1",
+    "rollout.engine_threads=1",
+    "reward.fn=format",
+]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _spawn(args: list[str], log: Path) -> subprocess.Popen:
+    """`conveyor train ARGS` in its own session (so kill -9 can reach its reward workers too)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "conveyor.cli", "train", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _wait(
+    cond, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None
+):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(
+                f"process exited ({proc.returncode}) while waiting for {what}:\n"
+                + (log.read_text()[-3000:] if log else "")
+            )
+        time.sleep(0.2)
+    raise AssertionError(
+        f"timed out waiting for {what}" + (f":\n{log.read_text()[-3000:]}" if log else "")
+    )
+
+
+def _steps(path: Path) -> list[int]:
+    return [r["step"] for r in read_jsonl(path)]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(30)
+
+
+def test_kill9_lock_and_resume_leave_each_step_once_in_every_log(tmp_path):
+    run = tmp_path / "r"
+    first_log = tmp_path / "first.log"
+    first = _spawn(
+        FAST
+        + [
+            "trainer.total_steps=500",
+            "run.checkpoint_every=2",
+            f"run.dir={run}",
+            "run.eval_before=false",
+            "run.eval_after=false",
+        ],
+        first_log,
+    )
+    try:
+        # 1. a second process on the same run directory is refused while the first is alive
+        _wait(lambda: (run / "metrics.jsonl").is_file(), 180, "the first step", first, first_log)
+        second_log = tmp_path / "second.log"
+        second = _spawn(["--resume", str(run)], second_log)
+        assert second.wait(120) == 2, second_log.read_text()
+        out = " ".join(second_log.read_text().split())
+        assert f"in use by process {first.pid}" in out, out
+        assert first.poll() is None  # the refused process did not disturb the first
+
+        # 2. kill -9 after a checkpoint, once rows past it were logged
+        def past_checkpoint():
+            ck = latest_checkpoint(run)
+            steps = _steps(run / "metrics.jsonl")
+            return ck is not None and steps and max(steps) > checkpoint_version(ck) + 1 and ck
+
+        _wait(past_checkpoint, 240, "a checkpoint and two steps after it", first, first_log)
+    finally:
+        _kill_group(first)  # SIGKILL: no handler runs, nothing is flushed or cleaned
+    assert first.returncode == -signal.SIGKILL
+    v = checkpoint_version(latest_checkpoint(run))
+    logged = _steps(run / "metrics.jsonl")
+    m = max(logged)
+    assert m > v >= 2
+    # a write the kill cut short (the kill may really have hit one)
+    (run / "checkpoints" / f".tmp_step_{m}_{first.pid}").mkdir(exist_ok=True)
+    with (run / "samples.jsonl").open("a") as f:
+        f.write('{"step": 99, "sample": "half-writ')  # a line the kill cut short
+
+    # 3. resume: the rows of steps v+1..m are superseded, then trained again exactly once
+    res = run_training(load_run_config(run, [f"trainer.total_steps={m + 1}"]), resume_dir=run)
+    assert res.steps == m + 1
+    assert _steps(run / "metrics.jsonl") == list(range(1, m + 2))
+    trained = read_jsonl(run / "trained.jsonl")
+    assert [r["step"] for r in trained] == list(range(1, m + 2))
+    groups = [g["group"] for r in trained for g in r["groups"]]
+    assert len(groups) == len(set(groups))  # no trajectory group trained twice
+    per_step = Counter(_steps(run / "samples.jsonl"))
+    assert (
+        sorted(per_step) == list(range(1, m + 2)) and max(per_step.values()) <= 2
+    )  # samples_per_step
+    gone = read_jsonl(run / "metrics.superseded.jsonl", include_superseded=True)
+    assert sorted(r["step"] for r in gone) == list(range(v + 1, m + 1))
+    assert all(r["superseded"]["resume_from_version"] == v for r in gone)
+    assert any(
+        r.get("unparseable", "").startswith('{"step": 99')
+        for r in _raw_rows(run / "samples.superseded.jsonl")
+    )
+    # events: the crash history is kept, the part after the checkpoint marked superseded
+    events = _raw_rows(run / "events.jsonl")
+    live_ckpts = [
+        e["version"] for e in events if e["event"] == "checkpoint" and not e.get("superseded")
+    ]
+    assert len(live_ckpts) == len(set(live_ckpts))
+    assert all(
+        e["version"] <= v for e in events if e.get("superseded") is None and e.get("segment") == 0
+    )
+    resume = [e for e in events if e["event"] == "resume"]
+    assert resume and resume[0]["version"] == v and not resume[0].get("superseded")
+    assert resume[0]["superseded_rows"]["metrics.jsonl"] == m - v
+    assert any(f".tmp_step_{m}_{first.pid}" in c for c in resume[0]["cleaned"])
+    assert not (run / "checkpoints" / f".tmp_step_{m}_{first.pid}").exists()
+    # TensorBoard: purge_step drops the killed process's points after v; each step once
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tb"))
+    acc.Reload()
+    tb_steps = [e.step for e in acc.Scalars("reward/mean")]
+    assert tb_steps == list(range(1, m + 2))
+    # summary: the wall-clock of both process segments
+    summary = json.loads((run / "summary.json").read_text())
+    segs = summary["segments"]
+    assert [s["segment"] for s in segs] == [0, 1]
+    assert (
+        segs[0]["superseded_steps"] == m - v
+        and segs[0]["steps"] == v
+        and segs[1]["steps"] == m + 1 - v
+    )
+    assert summary["wall_seconds"] == pytest.approx(sum(s["wall_seconds"] for s in segs))
+    assert (
+        segs[0]["wall_seconds"] > 0
+        and summary["engine_busy"] <= 1.0
+        and summary["trainer_busy"] <= 1.0
+    )
+
+
+def _raw_rows(path: Path) -> list[dict]:
+    return (
+        [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        if path.is_file()
+        else []
+    )
+
+
+def test_resume_of_a_finished_run_changes_nothing_and_heldout_settings_are_fixed(tmp_path):
+    run = tmp_path / "r"
+    cfg = load_config(
+        None,
+        FAST
+        + [
+            "trainer.total_steps=2",
+            f"run.dir={run}",
+            "data.heldout_limit=2",
+            "run.eval_max_new_tokens=4",
+        ],
+    )
+    first = run_training(cfg)
+    watched = [
+        "eval_after.json",
+        "eval_before.json",
+        "summary.json",
+        "events.jsonl",
+        "metrics.jsonl",
+        "config.json",
+    ]
+    before = {n: ((run / n).read_bytes(), (run / n).stat().st_mtime_ns) for n in watched}
+    again = run_training(load_run_config(run), resume_dir=run)
+    assert again.steps == first.steps == 2 and again.heldout_after == first.heldout_after
+    assert {n: ((run / n).read_bytes(), (run / n).stat().st_mtime_ns) for n in watched} == before
+    # killed after its last checkpoint, before the evaluation and summary: the resume completes
+    # them in a segment that trains nothing (busy fractions stay fractions)
+    (run / "summary.json").unlink()
+    (run / "eval_after.json").unlink()
+    done = run_training(load_run_config(run), resume_dir=run)
+    assert done.steps == 2 and (run / "eval_after.json").is_file()
+    summary = json.loads((run / "summary.json").read_text())
+    assert [s["steps"] for s in summary["segments"]] == [2, 0]
+    assert 0 <= summary["engine_busy"] <= 1 and 0 <= summary["segments"][1]["engine_busy_seconds"]
+    assert summary["segments"][1]["engine_busy_seconds"] <= summary["segments"][1]["wall_seconds"]
+    # a different held-out evaluation cannot be compared with eval_before.json
+    with pytest.raises(ValueError, match=r"data\.heldout_limit cannot change on resume"):
+        run_training(
+            load_run_config(run, ["trainer.total_steps=3", "data.heldout_limit=1"]), resume_dir=run
+        )
+    with pytest.raises(ValueError, match=r"run\.eval_max_new_tokens cannot change"):
+        run_training(
+            load_run_config(run, ["trainer.total_steps=3", "run.eval_max_new_tokens=5"]),
+            resume_dir=run,
+        )
+
+
+def test_simulate_calibration_reads_each_step_once(tmp_path):
+    """`conveyor simulate RUN` on a run directory whose logs hold a step twice (written before
+    resumes superseded rows) and a half-written last line (kill -9): each step counts once."""
+    from conveyor.simulate import calibrate
+
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "async": {"eta": 2},
+                "trainer": {"batch_size": 1},
+                "rollout": {"group_size": 2, "max_concurrent": 8, "max_batch_size": 8},
+                "run": {"seed": 0},
+            }
+        )
+    )
+    (tmp_path / "engine_stats.json").write_text(
+        json.dumps(
+            {
+                "decode_profile": {"1": [10, 0.3], "2": [10, 0.5]},
+                "prefill_seconds": 1.0,
+                "prefill_tokens": 100,
+            }
+        )
+    )
+    trained = [
+        {"step": s, "groups": [{"group": f"g{s}", "lengths": [[10, 20 + s], [10, 30]]}]}
+        for s in (1, 2, 3, 3)
+    ]
+    metrics = [{"step": s, "train/tokens": 50, "time/train_step_s": 1.0 + s} for s in (1, 2, 3, 3)]
+    for name, rows in (("trained.jsonl", trained), ("metrics.jsonl", metrics)):
+        (tmp_path / name).write_text(
+            "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "gro'
+        )
+    c = calibrate(tmp_path)
+    assert c.steps == 3
+    assert sorted(c.rollout.response_tokens.values) == [21, 22, 23, 30, 30, 30]
