@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,7 +33,9 @@ from conveyor.trainer.batch import (
     unit_members,
 )
 from conveyor.trainer.logprobs import token_logprobs
+from conveyor.trainer.objectives import ObjectiveInputs, get_objective
 from conveyor.trainer.proximal import build_strategy
+from conveyor.trainer.updater import Updater
 from conveyor.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -86,8 +88,60 @@ def staleness_metrics(trajectories: list[Trajectory], version: int) -> dict[str,
     }
 
 
+@dataclass
+class StepBatch:
+    """One step's batch after :meth:`Trainer.pack`.
+
+    Attributes:
+        trajectories: The ``N`` trajectories of the step.
+        micro_batches: Packed micro-batches covering them (``PackedBatch.indices`` map back).
+        token_weights: Per micro-batch ``[R, L]`` aggregation weights (``loss.aggregation``).
+        denominators: Per micro-batch share of the loss's normaliser (tokens or sequences).
+        sequence_advantages: ``[N]`` scalar advantage per trajectory (outcome estimators), set by
+            :meth:`Trainer.assign_advantages`.
+    """
+
+    trajectories: list[Trajectory]
+    micro_batches: list[PackedBatch]
+    token_weights: list[torch.Tensor]
+    denominators: list[float]
+    sequence_advantages: torch.Tensor | None = None
+
+
+@dataclass
+class Scores:
+    """What :meth:`Trainer.score` computed before the update, one entry per micro-batch (None
+    where not needed or not yet computed); all ``[R, L]`` and detached.
+
+    Attributes:
+        proximal: ``log pi_prox`` of each target token (objectives that need it).
+        reference: ``log pi_ref`` (the KL penalty's reference policy).
+        entropy: Per-token entropy of the policy (nats), filled by whichever forward pass computes
+            it first.
+    """
+
+    proximal: list[torch.Tensor | None]
+    reference: list[torch.Tensor | None]
+    entropy: list[torch.Tensor | None]
+
+
+@dataclass
+class PolicyUpdate:
+    """What :meth:`Trainer.policy_update` did: loss outputs per micro-batch, gradient norms per
+    optimiser step, the KL sum (nats, over tokens), rejection / correction statistics, whether it
+    stopped on a non-finite value, and the seconds its proximal strategy spent."""
+
+    outputs: list[loss_lib.LossOutput] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    kl_sum: float = 0.0
+    extra: dict[str, list[float]] = field(default_factory=dict)
+    skipped: bool = False
+    proximal_seconds: float = 0.0
+
+
 class Trainer:
-    """Owns the policy's parameters, the optimizer and the scheduler.
+    """Owns the policy's parameters and the updaters that train them (:attr:`updaters`: the
+    policy's optimizer and schedule; :class:`~conveyor.trainer.updater.Updater`).
 
     Args:
         model: The policy (a transformers causal LM, fp32 parameters).
@@ -143,28 +197,30 @@ class Trainer:
             log.info("trainer.share_prompts: %s attention takes no 4-D mask; responses are packed separately", attn)
         if trainer_cfg.malloc_mmap_threshold is not None:
             set_malloc_mmap_threshold(trainer_cfg.malloc_mmap_threshold)
-        params = [p for p in model.parameters() if p.requires_grad]
         # fused: one kernel per parameter, no multi-tensor temporaries (0.1 s vs 0.9 s for the
         # for-loop path on SmolLM2, 2 CPU threads; docs/results/performance.md)
-        fused = trainer_cfg.use_fused_optimizer
-        self.optimizer = torch.optim.AdamW(params, lr=trainer_cfg.lr, betas=trainer_cfg.betas, weight_decay=trainer_cfg.weight_decay,
-                                           foreach=None if fused else trainer_cfg.optimizer_foreach, fused=fused or None)
         if trainer_cfg.activation_checkpointing:
             if not hasattr(model, "gradient_checkpointing_enable"):
                 raise ValueError("trainer.activation_checkpointing needs a transformers model (gradient_checkpointing_enable)")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        total = max(1, trainer_cfg.total_steps * trainer_cfg.minibatches)
-        warm = trainer_cfg.warmup_steps * trainer_cfg.minibatches
+        self.policy = Updater.adamw(
+            "policy", model, lr=trainer_cfg.lr, betas=trainer_cfg.betas, weight_decay=trainer_cfg.weight_decay,
+            grad_clip=trainer_cfg.grad_clip, total_steps=trainer_cfg.total_steps * trainer_cfg.minibatches,
+            warmup_steps=trainer_cfg.warmup_steps * trainer_cfg.minibatches, schedule=trainer_cfg.schedule,
+            fused=trainer_cfg.use_fused_optimizer, foreach=trainer_cfg.optimizer_foreach,
+        )
+        self.updaters: list[Updater] = [self.policy]
+        self.objective = get_objective(loss_cfg.name)
 
-        def lr_lambda(step: int) -> float:
-            if warm > 0 and step < warm:
-                return (step + 1) / warm
-            if trainer_cfg.schedule == "cosine":
-                prog = min(1.0, (step - warm) / max(1, total - warm))
-                return 0.5 * (1.0 + math.cos(math.pi * prog))
-            return 1.0
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The policy's optimizer."""
+        return self.policy.optimizer
 
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        """The policy's learning-rate schedule."""
+        return self.policy.scheduler
 
     # ------------------------------------------------------------------ helpers
     def _autocast(self):
@@ -174,6 +230,10 @@ class Trainer:
         if not self.bf16:
             return nullcontext()
         return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=self.cfg.use_autocast_weight_cache)
+
+    def _trim(self) -> None:
+        if self.cfg.malloc_trim:
+            release_free_memory()
 
     def _logprobs(self, model, mb: PackedBatch, with_entropy: bool = False):
         with self._autocast():
@@ -191,6 +251,11 @@ class Trainer:
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One policy update on a batch of trajectories; increments :attr:`version` by one.
 
+        The recipe, one method per phase: :meth:`pack` (micro-batches by token budget) ->
+        :meth:`score` (everything computed with the parameters before the update: proximal and
+        reference log-probs) -> :meth:`assign_advantages` (per token) -> :meth:`policy_update`
+        (one optimiser step per minibatch) -> :meth:`step_metrics`.
+
         A step whose loss or gradient norm is non-finite is skipped (no optimizer step, logged,
         ``train/skipped_nonfinite`` = 1) and still counts as a version, so the staleness
         accounting of the rollout controller stays exact.
@@ -206,114 +271,119 @@ class Trainer:
         if not trajectories:
             raise ValueError("train_step: empty batch")
         t0 = time.perf_counter()
-        cfg, lc = self.cfg, self.loss_cfg
-        trim = release_free_memory if cfg.malloc_trim else (lambda: None)
-        self.optimizer.zero_grad(set_to_none=True)  # the previous step's gradients are not needed any more
-        trim()
+        self.policy.zero_grad()  # the previous step's gradients are not needed any more
+        self._trim()
         self.model.train()
         metrics: dict[str, float] = staleness_metrics(trajectories, self.version)
-        advantages = compute_advantages(trajectories, lc.advantage)
+        batch = self.pack(trajectories)
+        t_prox = time.perf_counter()
+        scores = self.score(batch)
+        metrics["time/proximal_s"] = time.perf_counter() - t_prox
+        self.assign_advantages(batch, scores)
+        update = self.policy_update(batch, scores, window=int(metrics["staleness/max"]))
+        metrics["time/proximal_s"] += update.proximal_seconds
+        self.model.eval()
+        self.version += 1
+        stop = self._count_nonfinite(update.skipped)
+        metrics.update(self.step_metrics(batch, scores, update))
+        t_after = time.perf_counter()
+        st = self.proximal.after_update(self.model, self.version, metrics)
+        metrics.update(st.values)
+        self.events.extend(st.events)
+        metrics["time/proximal_s"] += time.perf_counter() - t_after  # snapshot copy / EWMA update
+        metrics["proximal/extra_bytes"] = float(self.proximal.extra_bytes())
+        metrics["time/train_step_s"] = time.perf_counter() - t0
+        metrics["train/tokens_per_s"] = metrics["train/tokens"] / metrics["time/train_step_s"]
+        if stop is not None:
+            stop.metrics = metrics
+            raise stop
+        return metrics
+
+    # ------------------------------------------------------------------ phases
+    def pack(self, trajectories: list[Trajectory]) -> StepBatch:
+        """Phase 1: the batch as packed micro-batches (advantages still 0) with their loss
+        aggregation weights (``loss.aggregation``)."""
+        cfg, lc = self.cfg, self.loss_cfg
         if cfg.share_prompts and self._mask_capable:  # a group's prompt once per row (batch.py, "Shared prompts")
             units = group_shared_prompts(trajectories, min(cfg.pack_row_tokens, cfg.micro_batch_tokens))
         else:
             units = list(range(len(trajectories)))
         lengths = [unit_length([trajectories[i] for i in unit_members(u)]) for u in units]
         plan = plan_micro_batches(lengths, cfg.micro_batch_tokens, cfg.pack_row_tokens)
-        mbs = [pack(trajectories, advantages, [[units[k] for k in row] for row in rows]) for rows in plan]
+        zeros = torch.zeros(len(trajectories))
+        mbs = [pack(trajectories, zeros, [[units[k] for k in row] for row in rows]) for rows in plan]
+        aggs = [corr_lib.aggregation_weights(mb.mask, lc.aggregation, seq_index=mb.seq_index, constant=self.aggregation_constant)
+                for mb in mbs]
+        return StepBatch(trajectories, mbs, [a[0] for a in aggs], [a[1] for a in aggs])
 
-        # proximal log-probs: the parameters just before the update (AReaL eq. 5)
-        prox: list[torch.Tensor | None] = [None] * len(mbs)
-        ents: list[torch.Tensor | None] = [None] * len(mbs)
-        refs: list[torch.Tensor | None] = [None] * len(mbs)
-        t_prox = time.perf_counter()
+    def score(self, batch: StepBatch) -> Scores:
+        """Phase 2: what the update needs from the parameters before it (no gradient):
+        proximal log-probs (the objective's choice, ``proximal.method``; AReaL eq. 5) and the
+        reference policy's log-probs (``loss.kl_coef > 0``)."""
+        n = len(batch.micro_batches)
+        scores = Scores([None] * n, [None] * n, [None] * n)
         # With one optimizer step per batch the parameters before the update are the ones of the
         # gradient forward pass, so pi_prox = that pass's log-probs, detached: identical values
         # (same parameters, same kernels), one forward pass fewer. With several minibatches the
         # parameters move between optimizer steps, so a separate pass runs first.
-        reuse_forward = cfg.minibatches == 1 and not cfg.separate_proximal_pass
-        needs_prox = lc.name in ("decoupled_ppo", "two_ratio")
+        reuse_forward = self.cfg.minibatches == 1 and not self.cfg.separate_proximal_pass
         with torch.no_grad():
-            for j, mb in enumerate(mbs):
-                if needs_prox:
-                    prox[j] = self.proximal.old_logprobs(self, mb)
-                    if prox[j] is None and not reuse_forward:
-                        cur, ents[j] = self._logprobs(self.model, mb, with_entropy=True)
-                        prox[j] = self.proximal.from_forward(cur, mb, self.version)
+            for j, mb in enumerate(batch.micro_batches):
+                if self.objective.needs_proximal:
+                    scores.proximal[j] = self.proximal.old_logprobs(self, mb)
+                    if scores.proximal[j] is None and not reuse_forward:
+                        cur, scores.entropy[j] = self._logprobs(self.model, mb, with_entropy=True)
+                        scores.proximal[j] = self.proximal.from_forward(cur, mb, self.version)
                 if self.ref_model is not None:
-                    refs[j], _ = self._logprobs(self.ref_model, mb)
-        metrics["time/proximal_s"] = time.perf_counter() - t_prox
-        extra: dict[str, list[float]] = {}
+                    scores.reference[j], _ = self._logprobs(self.ref_model, mb)
+        return scores
 
-        # minibatches: each is one optimizer step; the loss is a token-mean over the minibatch
+    def assign_advantages(self, batch: StepBatch, scores: Scores) -> None:
+        """Phase 3: per-token advantages into each micro-batch's ``advantages`` (``loss.advantage``:
+        an outcome estimator's scalar per trajectory, broadcast over its action tokens)."""
+        adv = compute_advantages(batch.trajectories, self.loss_cfg.advantage)
+        batch.sequence_advantages = adv
+        for mb in batch.micro_batches:
+            idx = torch.tensor(mb.indices, dtype=torch.long)
+            per_pos = adv[idx][mb.seq_index.clamp(min=0)]
+            mb.advantages = per_pos * mb.mask
+
+    def policy_update(self, batch: StepBatch, scores: Scores, *, window: int) -> PolicyUpdate:
+        """Phase 4: the policy's optimiser steps, one per minibatch (micro-batches ``k::n``), each
+        with the loss normalised by the minibatch's aggregation denominator (exact across
+        micro-batches). Stops at the first non-finite loss or gradient norm (no step taken for
+        that minibatch; ``skipped``).
+
+        Args:
+            window: The batch's largest staleness (versions), the proximal strategy's window.
+        """
+        cfg, lc = self.cfg, self.loss_cfg
+        mbs = batch.micro_batches
         n_mini = min(cfg.minibatches, len(mbs))
         groups = [list(range(len(mbs)))[k::n_mini] for k in range(n_mini)]
-        outs: list[loss_lib.LossOutput] = []
-        kl_sum = 0.0
-        ent_sum = 0.0
-        grad_norms = []
-        skipped = False
-        aggs = [corr_lib.aggregation_weights(mb.mask, lc.aggregation, seq_index=mb.seq_index, constant=self.aggregation_constant)
-                for mb in mbs]
+        up = PolicyUpdate()
         poison = fault_point("loss")  # chaos suite: a non-finite loss injected in this step
         for grp in groups:
-            denom = sum(aggs[j][1] for j in grp)
+            denom = sum(batch.denominators[j] for j in grp)
             if denom == 0:
                 continue
-            self.optimizer.zero_grad(set_to_none=True)
+            self.policy.zero_grad()
             finite = True
             for j in grp:
                 mb = mbs[j]
-                lp, ent = self._logprobs(self.model, mb, with_entropy=ents[j] is None)
-                if ents[j] is None:
-                    ents[j] = ent
-                tw = aggs[j][0]
-                bw = None
-                if needs_prox:
-                    if prox[j] is None:
-                        prox[j] = self.proximal.from_forward(lp.detach(), mb, self.version)
-                    keep, rstats = corr_lib.rejection_stats(prox[j], mb.behaviour_logprobs, mb.mask, seq_index=mb.seq_index,
-                                                            reject=lc.kl_reject, threshold=lc.kl_reject_threshold)
-                    if lc.kl_reject is not None:
-                        tw = tw * keep
-                    for k, v in rstats.items():
-                        extra.setdefault(k, []).append(v)
-                    if lc.correction is not None and lc.name == "decoupled_ppo":
-                        bw, cstats = corr_lib.mismatch_weights(
-                            prox[j], mb.behaviour_logprobs, mb.mask, method=lc.correction, cap=lc.correction_cap,
-                            low=lc.correction_low, high=lc.correction_high, seq_index=mb.seq_index)
-                        for k, v in cstats.items():
-                            extra.setdefault(k, []).append(v)
-                if lc.name == "decoupled_ppo":
-                    out = loss_lib.decoupled_ppo_loss(
-                        lp, prox[j], mb.behaviour_logprobs, mb.advantages, mb.mask,
-                        eps_low=lc.eps_low, eps_high=lc.eps_high, dual_clip=lc.dual_clip,
-                        behaviour_weight_cap=lc.behaviour_weight_cap, cap_mode=lc.behaviour_weight_cap_mode,
-                        token_weights=tw, behaviour_weights=bw,
-                    )
-                elif lc.name == "two_ratio":
-                    out = loss_lib.two_ratio_loss(
-                        lp, prox[j], mb.behaviour_logprobs, mb.advantages, mb.mask,
-                        discrepancy_low=lc.discrepancy_low, discrepancy_high=lc.discrepancy_high,
-                        eps_low=lc.eps_low, eps_high=lc.eps_high, dual_clip=lc.dual_clip, token_weights=tw,
-                    )
-                elif lc.name == "dis":
-                    out = loss_lib.dis_loss(
-                        lp, mb.behaviour_logprobs, mb.advantages, mb.mask,
-                        eps_low=self.dis_eps[0], eps_high=self.dis_eps[1], token_weights=tw,
-                    )
-                else:
-                    out = loss_lib.ppo_clip_loss(
-                        lp, mb.behaviour_logprobs, mb.advantages, mb.mask,
-                        eps_low=lc.eps_low, eps_high=lc.eps_high, dual_clip=lc.dual_clip, token_weights=tw,
-                    )
+                lp, ent = self._logprobs(self.model, mb, with_entropy=scores.entropy[j] is None)
+                if scores.entropy[j] is None:
+                    scores.entropy[j] = ent
+                inputs = self._objective_inputs(mb, lp, scores, j, batch.token_weights[j], up.extra)
+                out = self.objective.loss(inputs, lc, self.dis_eps)
                 loss = out.loss_sum
-                if refs[j] is not None:
+                if scores.reference[j] is not None:
                     # aggregated like the policy loss (loss.aggregation's weights and denominator;
                     # verl agg_loss on the KL term); not masked by loss.kl_reject (verl drops
                     # rejected tokens from its mask altogether); train/kl_ref: per-token mean
-                    kl = loss_lib.kl_penalty(lp, refs[j], mb.mask, kind="k3",
-                                             token_weights=aggs[j][0])
-                    kl_sum += float(loss_lib.kl_penalty(lp.detach(), refs[j], mb.mask, kind="k3"))
+                    ref = scores.reference[j]
+                    kl = loss_lib.kl_penalty(lp, ref, mb.mask, kind="k3", token_weights=batch.token_weights[j])
+                    up.kl_sum += float(loss_lib.kl_penalty(lp.detach(), ref, mb.mask, kind="k3"))
                     loss = loss + lc.kl_coef * kl
                 loss = loss / denom  # exact global normalisation over the minibatch (loss.aggregation)
                 if poison:
@@ -323,70 +393,93 @@ class Trainer:
                     break
                 loss.backward()
                 del loss, lp
-                trim()  # this micro-batch's activations are freed
-                outs.append(out)
-            gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf"))
+                self._trim()  # this micro-batch's activations are freed
+                up.outputs.append(out)
+            gn = self.policy.clip_grad_norm()
             if not finite or not torch.isfinite(gn):
-                self.optimizer.zero_grad(set_to_none=True)
-                skipped = True
+                self.policy.zero_grad()
+                up.skipped = True
                 break
-            grad_norms.append(float(gn))
+            up.grad_norms.append(float(gn))
             fault_point("train_step")  # chaos suite: a kill inside a train step
-            self.optimizer.step()
-            self.scheduler.step()
+            self.policy.step()
             # per-optimiser-step proximal state (the EWMA); window: the batch's version window in
             # optimiser steps (MISSION.md section 2)
             t_ew = time.perf_counter()
-            self.proximal.on_optimizer_step(self.model, int(metrics["staleness/max"]) * n_mini)
-            metrics["time/proximal_s"] += time.perf_counter() - t_ew
-        self.model.eval()
+            self.proximal.on_optimizer_step(self.model, window * n_mini)
+            up.proximal_seconds += time.perf_counter() - t_ew
+        return up
 
-        self.version += 1
-        stop: NonFiniteLossError | None = None
-        if skipped:
-            self.nonfinite_in_a_row += 1
-            log.warning("step %d: non-finite loss or gradient norm, update skipped (%d in a row)", self.version, self.nonfinite_in_a_row)
-            if self.nonfinite_in_a_row >= cfg.max_nonfinite_in_a_row:
-                stop = NonFiniteLossError(  # raised with this step's metrics, below
-                    f"{self.nonfinite_in_a_row} consecutive steps had a non-finite loss or gradient "
-                    f"norm (trainer.max_nonfinite_in_a_row={cfg.max_nonfinite_in_a_row}); stopping. "
-                    "Lower trainer.lr or check the rewards."
-                )
-        else:
+    def _objective_inputs(self, mb: PackedBatch, lp: torch.Tensor, scores: Scores, j: int,
+                          token_weights: torch.Tensor, extra: dict[str, list[float]]) -> ObjectiveInputs:
+        """The objective's inputs for micro-batch ``j``: the proximal log-probs (from this forward
+        pass where the strategy derives them from it), the rejection mask (``loss.kl_reject``)
+        folded into the token weights, and the mismatch weights (``loss.correction``); their
+        statistics go to ``extra``."""
+        lc = self.loss_cfg
+        tw, bw = token_weights, None
+        if self.objective.needs_proximal:
+            if scores.proximal[j] is None:
+                scores.proximal[j] = self.proximal.from_forward(lp.detach(), mb, self.version)
+            prox = scores.proximal[j]
+            keep, rstats = corr_lib.rejection_stats(prox, mb.behaviour_logprobs, mb.mask, seq_index=mb.seq_index,
+                                                    reject=lc.kl_reject, threshold=lc.kl_reject_threshold)
+            if lc.kl_reject is not None:
+                tw = tw * keep
+            for k, v in rstats.items():
+                extra.setdefault(k, []).append(v)
+            if lc.correction is not None and self.objective.takes_correction:
+                bw, cstats = corr_lib.mismatch_weights(
+                    prox, mb.behaviour_logprobs, mb.mask, method=lc.correction, cap=lc.correction_cap,
+                    low=lc.correction_low, high=lc.correction_high, seq_index=mb.seq_index)
+                for k, v in cstats.items():
+                    extra.setdefault(k, []).append(v)
+        return ObjectiveInputs(current=lp, behaviour=mb.behaviour_logprobs, advantages=mb.advantages, mask=mb.mask,
+                               proximal=scores.proximal[j], token_weights=tw, behaviour_weights=bw)
+
+    def _count_nonfinite(self, skipped: bool) -> NonFiniteLossError | None:
+        """Count a skipped step; the error to raise (after the step's metrics are logged) once
+        ``trainer.max_nonfinite_in_a_row`` steps in a row were skipped."""
+        if not skipped:
             self.nonfinite_in_a_row = 0
+            return None
+        self.nonfinite_in_a_row += 1
+        log.warning("step %d: non-finite loss or gradient norm, update skipped (%d in a row)", self.version, self.nonfinite_in_a_row)
+        if self.nonfinite_in_a_row < self.cfg.max_nonfinite_in_a_row:
+            return None
+        return NonFiniteLossError(
+            f"{self.nonfinite_in_a_row} consecutive steps had a non-finite loss or gradient "
+            f"norm (trainer.max_nonfinite_in_a_row={self.cfg.max_nonfinite_in_a_row}); stopping. "
+            "Lower trainer.lr or check the rewards."
+        )
+
+    def step_metrics(self, batch: StepBatch, scores: Scores, update: PolicyUpdate) -> dict[str, float]:
+        """Phase 5: the step's metrics (loss terms, grad norm, lr, tokens, entropy, KL, rewards)."""
+        metrics: dict[str, float] = {}
+        mbs = batch.micro_batches
         n_tok = sum(mb.num_tokens for mb in mbs)
+        ent_sum = 0.0
         for j, mb in enumerate(mbs):
-            if ents[j] is not None:
-                ent_sum += float((ents[j] * mb.mask).sum())
-        if outs:
-            metrics.update({f"loss/{k}": v for k, v in loss_lib.aggregate(outs).items()})
-        rewards = torch.tensor([t.reward for t in trajectories])
+            if scores.entropy[j] is not None:
+                ent_sum += float((scores.entropy[j] * mb.mask).sum())
+        if update.outputs:
+            metrics.update({f"loss/{k}": v for k, v in loss_lib.aggregate(update.outputs).items()})
+        rewards = torch.tensor([t.reward for t in batch.trajectories])
+        grad_norms = update.grad_norms
         metrics.update({
-            "train/skipped_nonfinite": float(skipped),
+            "train/skipped_nonfinite": float(update.skipped),
             "train/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
-            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/lr": self.policy.lr,
             "train/tokens": float(n_tok),
             "train/micro_batches": float(len(mbs)),
             "train/entropy": ent_sum / max(1, n_tok),
-            "train/kl_ref": kl_sum / max(1, n_tok),
-            "train/advantage_abs_mean": float(advantages.abs().mean()),
+            "train/kl_ref": update.kl_sum / max(1, n_tok),
+            "train/advantage_abs_mean": float(batch.sequence_advantages.abs().mean()),
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std(unbiased=False)),
-            "time/train_step_s": time.perf_counter() - t0,
         })
-        for k, v in extra.items():
+        for k, v in update.extra.items():
             metrics[k] = sum(v) / len(v)
-        t_after = time.perf_counter()
-        st = self.proximal.after_update(self.model, self.version, metrics)
-        metrics.update(st.values)
-        self.events.extend(st.events)
-        metrics["time/proximal_s"] += time.perf_counter() - t_after  # snapshot copy / EWMA update
-        metrics["proximal/extra_bytes"] = float(self.proximal.extra_bytes())
-        metrics["time/train_step_s"] = time.perf_counter() - t0
-        metrics["train/tokens_per_s"] = n_tok / metrics["time/train_step_s"]
-        if stop is not None:
-            stop.metrics = metrics
-            raise stop
         return metrics
 
     # ------------------------------------------------------------------ checkpointing
