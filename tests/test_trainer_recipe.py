@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_trainer import make_trajs
 
 from conveyor.config import LossConfig, ProximalConfig, TrainerConfig
 from conveyor.trainer.objectives import OBJECTIVES, ObjectiveInputs, get_objective
 from conveyor.trainer.trainer import Trainer
 from conveyor.trainer.updater import Updater, warmup_schedule
-from test_trainer import make_trajs
 
 GOLDEN = Path(__file__).parent / "data" / "trainer_before_phases.json"
 

@@ -16,13 +16,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from conveyor.config import LossConfig, ProximalConfig, TrainerConfig
+from conveyor.config import CriticConfig, LossConfig, ProximalConfig, TrainerConfig
 from conveyor.faults import fault_point
 from conveyor.hardware import resolve_bf16
 from conveyor.memory import release_free_memory, set_malloc_mmap_threshold
 from conveyor.sync import WeightUpdate
 from conveyor.trainer import advantages as adv_lib
 from conveyor.trainer import corrections as corr_lib
+from conveyor.trainer import critic as critic_lib
+from conveyor.trainer import gae as gae_lib
 from conveyor.trainer import losses as loss_lib
 from conveyor.trainer.batch import (
     PackedBatch,
@@ -118,11 +120,17 @@ class Scores:
         reference: ``log pi_ref`` (the KL penalty's reference policy).
         entropy: Per-token entropy of the policy (nats), filled by whichever forward pass computes
             it first.
+        values: The critic's values ``V`` before its update (``loss.advantage=gae``), on every
+            response token (actions and observations).
+        returns: The critic's regression targets, set with the advantages (GAE with the critic's
+            lambda; :mod:`conveyor.trainer.gae`).
     """
 
     proximal: list[torch.Tensor | None]
     reference: list[torch.Tensor | None]
     entropy: list[torch.Tensor | None]
+    values: list[torch.Tensor | None] = field(default_factory=list)
+    returns: list[torch.Tensor | None] = field(default_factory=list)
 
 
 @dataclass
@@ -137,6 +145,7 @@ class PolicyUpdate:
     extra: dict[str, list[float]] = field(default_factory=dict)
     skipped: bool = False
     proximal_seconds: float = 0.0
+    entropy_sum: float = 0.0
 
 
 class Trainer:
@@ -151,13 +160,15 @@ class Trainer:
         proximal_cfg: Where the old log-probs come from (``proximal.method``; default recompute).
         eta: The staleness bound (snapshot window, auto choice).
         max_new_tokens: Default constant of ``loss.aggregation = constant`` (tokens).
+        critic_cfg: The value model's settings, used when ``loss_cfg.advantage == "gae"``
+            (default :class:`~conveyor.config.CriticConfig`).
 
     The trainer never shares its parameters: :meth:`weight_update` returns copies.
     """
 
     def __init__(self, model: torch.nn.Module, trainer_cfg: TrainerConfig, loss_cfg: LossConfig, *, temperature: float = 1.0,
                  version: int = 0, proximal_cfg: ProximalConfig | None = None, eta: int | None = None,
-                 max_new_tokens: int | None = None):
+                 max_new_tokens: int | None = None, critic_cfg: CriticConfig | None = None):
         self.model = model
         self.cfg = trainer_cfg
         # bf16 autocast where the hardware makes it faster (trainer.bf16=auto, conveyor.hardware)
@@ -211,6 +222,44 @@ class Trainer:
         )
         self.updaters: list[Updater] = [self.policy]
         self.objective = get_objective(loss_cfg.name)
+        self.baseline = gae_lib.SlidingWindowBaseline(loss_cfg.baseline_window) if loss_cfg.advantage == "sliding_window" else None
+        # the critic (MISSION.md section 3): its own model and updater; K updates per policy update
+        self.critic_cfg = critic_cfg or CriticConfig()
+        self.critic: critic_lib.ValueModel | None = None
+        self.critic_updater: Updater | None = None
+        self.critic_warmup_done = 0  # critic-only steps taken before RL (critic.warmup_steps)
+        self.critic_note = ""
+        if loss_cfg.advantage == "gae":
+            cc = self.critic_cfg
+            self.critic = critic_lib.build_value_model(model, cc.backbone, seed=0)
+            frozen = critic_lib.freeze_attention(self.critic) if cc.freeze_attention else 0
+            k = cc.updates_per_step
+            self.critic_updater = Updater.adamw(
+                "critic", self.critic, lr=cc.lr, betas=cc.betas, weight_decay=cc.weight_decay, grad_clip=cc.grad_clip,
+                total_steps=(trainer_cfg.total_steps + cc.warmup_steps) * k, fused=trainer_cfg.use_fused_optimizer,
+                foreach=trainer_cfg.optimizer_foreach,
+            )
+            self.updaters.append(self.critic_updater)
+            counts = critic_lib.param_count_by_kind(self.critic)
+            self.critic_note = (f"critic: backbone {cc.backbone} ({sum(counts.values()):,} parameters, "
+                                f"{frozen:,} of them in frozen attention), K = {k} updates per policy update")
+            log.info(self.critic_note)
+
+    @property
+    def in_critic_warmup(self) -> bool:
+        """Whether critic-only warm-up steps remain (``critic.warmup_steps``; the policy waits at
+        version 0 until they are done)."""
+        return self.critic is not None and self.critic_warmup_done < self.critic_cfg.warmup_steps
+
+    @property
+    def log_step(self) -> int:
+        """The step the run's logs key the latest row by: the policy version, or ``k - W`` after
+        critic warm-up step ``k`` of ``W`` (so warm-up rows are at steps ``1 - W .. 0``, before
+        the first policy update at step 1, and a resume supersedes what came after its
+        checkpoint with one rule)."""
+        if self.critic is not None and self.version == 0:
+            return self.critic_warmup_done - self.critic_cfg.warmup_steps
+        return self.version
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -235,13 +284,20 @@ class Trainer:
         if self.cfg.malloc_trim:
             release_free_memory()
 
-    def _logprobs(self, model, mb: PackedBatch, with_entropy: bool = False):
+    def _logprobs(self, model, mb: PackedBatch, with_entropy: bool = False, entropy_grad: bool = False):
         with self._autocast():
             return token_logprobs(
                 model, mb.input_ids, mb.position_ids, mb.targets, temperature=self.temperature,
                 chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy, mask=mb.mask,
                 attention_mask=mb.attention_mask, support=mb.support,  # sampling-mask replay
+                entropy_grad=entropy_grad,
             )
+
+    def _values(self, mb: PackedBatch, mask: torch.Tensor) -> torch.Tensor:
+        """The critic's values ``[R, L]`` (float32) at the positions where ``mask`` > 0."""
+        with self._autocast():
+            return critic_lib.token_values(self.critic, mb.input_ids, mb.position_ids, mask=mask,
+                                           attention_mask=mb.attention_mask)
 
     def weight_update(self) -> WeightUpdate:
         """The current parameters as a :class:`WeightUpdate` stamped with :attr:`version`."""
@@ -253,8 +309,9 @@ class Trainer:
 
         The recipe, one method per phase: :meth:`pack` (micro-batches by token budget) ->
         :meth:`score` (everything computed with the parameters before the update: proximal and
-        reference log-probs) -> :meth:`assign_advantages` (per token) -> :meth:`policy_update`
-        (one optimiser step per minibatch) -> :meth:`step_metrics`.
+        reference log-probs, the critic's values) -> :meth:`assign_advantages` (per token) ->
+        :meth:`policy_update` (one optimiser step per minibatch) -> :meth:`critic_update` (K
+        critic steps, ``loss.advantage=gae``) -> :meth:`step_metrics`.
 
         A step whose loss or gradient norm is non-finite is skipped (no optimizer step, logged,
         ``train/skipped_nonfinite`` = 1) and still counts as a version, so the staleness
@@ -283,6 +340,10 @@ class Trainer:
         update = self.policy_update(batch, scores, window=int(metrics["staleness/max"]))
         metrics["time/proximal_s"] += update.proximal_seconds
         self.model.eval()
+        if self.critic is not None:
+            t_critic = time.perf_counter()
+            metrics.update(self.critic_update(batch, scores))
+            metrics["time/critic_s"] = time.perf_counter() - t_critic
         self.version += 1
         stop = self._count_nonfinite(update.skipped)
         metrics.update(self.step_metrics(batch, scores, update))
@@ -321,7 +382,7 @@ class Trainer:
         proximal log-probs (the objective's choice, ``proximal.method``; AReaL eq. 5) and the
         reference policy's log-probs (``loss.kl_coef > 0``)."""
         n = len(batch.micro_batches)
-        scores = Scores([None] * n, [None] * n, [None] * n)
+        scores = Scores([None] * n, [None] * n, [None] * n, [None] * n, [None] * n)
         # With one optimizer step per batch the parameters before the update are the ones of the
         # gradient forward pass, so pi_prox = that pass's log-probs, detached: identical values
         # (same parameters, same kernels), one forward pass fewer. With several minibatches the
@@ -336,17 +397,184 @@ class Trainer:
                         scores.proximal[j] = self.proximal.from_forward(cur, mb, self.version)
                 if self.ref_model is not None:
                     scores.reference[j], _ = self._logprobs(self.ref_model, mb)
+                if self.critic is not None:
+                    scores.values[j] = self._values(mb, mask=(mb.response_index >= 0).float())
+        return scores
+
+    def score_values(self, batch: StepBatch) -> Scores:
+        """Phase 2 for a critic-only step (:meth:`critic_warmup_step`): the critic's values only."""
+        n = len(batch.micro_batches)
+        scores = Scores([None] * n, [None] * n, [None] * n, [None] * n, [None] * n)
+        with torch.no_grad():
+            for j, mb in enumerate(batch.micro_batches):
+                scores.values[j] = self._values(mb, mask=(mb.response_index >= 0).float())
         return scores
 
     def assign_advantages(self, batch: StepBatch, scores: Scores) -> None:
-        """Phase 3: per-token advantages into each micro-batch's ``advantages`` (``loss.advantage``:
-        an outcome estimator's scalar per trajectory, broadcast over its action tokens)."""
-        adv = compute_advantages(batch.trajectories, self.loss_cfg.advantage)
+        """Phase 3: per-token advantages into each micro-batch's ``advantages`` (``loss.advantage``).
+
+        Outcome estimators (grpo, dr_grpo, reinforce, sliding_window) give one scalar per
+        trajectory, broadcast over its action tokens; ``gae`` runs token-level GAE per trajectory
+        on the critic's values (:meth:`_gae`), which also sets ``scores.returns``.
+        """
+        lc = self.loss_cfg
+        if lc.advantage == "gae":
+            self._gae(batch, scores)
+            return
+        if lc.advantage == "sliding_window":
+            adv = self.baseline.advantages(torch.tensor([t.reward for t in batch.trajectories], dtype=torch.float32))
+        else:
+            adv = compute_advantages(batch.trajectories, lc.advantage)
         batch.sequence_advantages = adv
         for mb in batch.micro_batches:
             idx = torch.tensor(mb.indices, dtype=torch.long)
             per_pos = adv[idx][mb.seq_index.clamp(min=0)]
             mb.advantages = per_pos * mb.mask
+
+    def _gae(self, batch: StepBatch, scores: Scores) -> None:
+        """Token-level GAE on every micro-batch (MISSION.md section 3; :mod:`conveyor.trainer.gae`).
+
+        Each trajectory's response is laid out as one row ``[S, R_max]`` (``response_index``):
+        the outcome reward on its last action token, the pre-update values, its action mask
+        (observation tokens 0). Advantages use the policy lambda (fixed, or length-adaptive
+        ``1 - 1 / (alpha * l)``, l = action tokens), returns the critic lambda (VAPO's decoupled
+        GAE); with ``critic.values=turn`` one value per action segment instead. Optional
+        whitening over the batch's action tokens (``critic.whiten_advantages``).
+        """
+        cc = self.critic_cfg
+        seq_adv = torch.zeros(len(batch.trajectories))
+        for j, mb in enumerate(batch.micro_batches):
+            pos = (mb.response_index >= 0).reshape(-1).nonzero().squeeze(-1)
+            s_idx = mb.seq_index.reshape(-1)[pos]
+            k_idx = mb.response_index.reshape(-1)[pos]
+            S = len(mb.indices)
+            T = int(k_idx.max()) + 1 if k_idx.numel() else 1
+            action = torch.zeros(S, T)
+            action[s_idx, k_idx] = mb.mask.reshape(-1)[pos]
+            valid = torch.zeros(S, T)
+            valid[s_idx, k_idx] = 1.0
+            values = torch.zeros(S, T)
+            values[s_idx, k_idx] = scores.values[j].reshape(-1)[pos]
+            rewards = torch.zeros(S, T)
+            n_act = action.sum(-1)
+            has = n_act > 0
+            last = (action * torch.arange(1, T + 1)).argmax(-1)  # last action token of each row
+            r = torch.tensor([float(batch.trajectories[i].reward) for i in mb.indices])
+            rewards[has.nonzero().squeeze(-1), last[has]] = r[has]
+            policy_lam = (gae_lib.adaptive_lambda(n_act, cc.lam_alpha) if cc.policy_lam == "adaptive"
+                          else float(cc.policy_lam))
+            if cc.values == "turn":
+                adv, _ = gae_lib.turn_level_gae(rewards, values, action, gamma=cc.gamma, lam=policy_lam)
+                _, ret = gae_lib.turn_level_gae(rewards, values, action, gamma=cc.gamma, lam=cc.lam)
+            else:
+                adv, ret = gae_lib.decoupled_gae(rewards, values, action, gamma=cc.gamma, policy_lam=policy_lam,
+                                                 critic_lam=cc.lam, skip_observations=cc.skip_observations,
+                                                 valid_mask=valid)
+            flat_adv = torch.zeros(mb.mask.numel())
+            flat_adv[pos] = adv[s_idx, k_idx]
+            flat_ret = torch.zeros(mb.mask.numel())
+            flat_ret[pos] = ret[s_idx, k_idx]
+            mb.advantages = flat_adv.reshape(mb.mask.shape) * mb.mask
+            scores.returns[j] = flat_ret.reshape(mb.mask.shape) * mb.mask
+            idx = torch.tensor(mb.indices, dtype=torch.long)
+            seq_adv[idx] = (adv * action).sum(-1) / n_act.clamp(min=1)
+        if cc.whiten_advantages:
+            flat = torch.cat([mb.advantages[mb.mask > 0] for mb in batch.micro_batches])
+            if flat.numel() > 1:
+                mean, std = flat.mean(), flat.std(unbiased=False)
+                for mb in batch.micro_batches:
+                    mb.advantages = (mb.advantages - mean) / (std + 1e-8) * mb.mask
+        batch.sequence_advantages = seq_adv
+
+    def critic_update(self, batch: StepBatch, scores: Scores) -> dict[str, float]:
+        """Phase 5 (``loss.advantage=gae``): ``critic.updates_per_step`` (K) optimiser steps of the
+        critic on the returns computed once with the pre-update critic (SAO, MISSION.md section 3),
+        each over the whole batch: ``0.5 (V - R)^2``, a token-mean over action tokens (observation
+        tokens carry no value loss), optionally clipped around the pre-update values.
+
+        Returns:
+            ``critic/*`` metrics: value loss of the first and last update, explained variance of
+            the pre-update critic, value / return means, clip fraction, gradient norm per block
+            kind (attention, mlp, other; before clipping, mean over the K updates), lr, steps.
+            An update with a non-finite loss or gradient norm is skipped and counted.
+        """
+        cc, up = self.critic_cfg, self.critic_updater
+        mbs = batch.micro_batches
+        denom = sum(float(mb.mask.sum()) for mb in mbs)
+        metrics: dict[str, float] = {}
+        if denom == 0:
+            return metrics
+        self.critic.train()
+        kinds: dict[str, float] = {"attention": 0.0, "mlp": 0.0, "other": 0.0}
+        losses, skipped, norms = [], 0, []
+        first = None
+        for _ in range(cc.updates_per_step):
+            up.zero_grad()
+            outs = []
+            finite = True
+            for j, mb in enumerate(mbs):
+                v = self._values(mb, mask=mb.mask)
+                out = critic_lib.value_loss(v, scores.returns[j], mb.mask, old_values=scores.values[j] * mb.mask,
+                                            clip=cc.value_clip)
+                loss = out.loss_sum / denom
+                if not torch.isfinite(loss):
+                    finite = False
+                    break
+                loss.backward()
+                outs.append(out)
+                del loss, v
+                self._trim()
+            if finite:
+                for name, g in critic_lib.grad_norm_by_kind(self.critic).items():
+                    kinds[name] += g / cc.updates_per_step
+            gn = up.clip_grad_norm()
+            if not finite or not torch.isfinite(gn):
+                up.zero_grad()
+                skipped += 1
+                continue
+            norms.append(float(gn))
+            up.step()
+            vm = critic_lib.value_metrics(outs)
+            losses.append(vm["loss"])
+            if first is None:
+                first = vm
+        self.critic.eval()
+        if first is not None:
+            metrics.update({
+                "critic/value_loss": first["loss"], "critic/value_loss_last": losses[-1],
+                "critic/explained_variance": first["explained_variance"], "critic/value_mean": first["value_mean"],
+                "critic/return_mean": first["return_mean"], "critic/clip_frac": first.get("clip_frac", 0.0),
+            })
+        metrics.update({f"critic/grad_norm_{name}": g for name, g in kinds.items()})
+        metrics.update({
+            "critic/grad_norm": sum(norms) / len(norms) if norms else float("nan"),
+            "critic/lr": up.lr, "critic/updates": float(len(norms)), "critic/skipped_nonfinite": float(skipped),
+        })
+        return metrics
+
+    def critic_warmup_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """One critic-only step before RL (``critic.warmup_steps``; SAO's cold start, MISSION.md
+        section 3): values, GAE returns and K critic updates on rollouts of the frozen initial
+        policy. The policy, its optimizer and :attr:`version` are untouched;
+        :attr:`critic_warmup_done` counts the step.
+
+        Raises:
+            ValueError: empty batch, or no critic (``loss.advantage`` is not ``gae``).
+        """
+        if self.critic is None:
+            raise ValueError("critic_warmup_step: no critic (loss.advantage must be gae)")
+        if not trajectories:
+            raise ValueError("critic_warmup_step: empty batch")
+        t0 = time.perf_counter()
+        batch = self.pack(trajectories)
+        scores = self.score_values(batch)
+        self._gae(batch, scores)
+        metrics = self.critic_update(batch, scores)
+        self.critic_warmup_done += 1
+        rewards = torch.tensor([t.reward for t in trajectories])
+        metrics.update({"reward/mean": float(rewards.mean()), "train/tokens": float(sum(mb.num_tokens for mb in batch.micro_batches)),
+                        "time/critic_warmup_step_s": time.perf_counter() - t0})
+        return metrics
 
     def policy_update(self, batch: StepBatch, scores: Scores, *, window: int) -> PolicyUpdate:
         """Phase 4: the policy's optimiser steps, one per minibatch (micro-batches ``k::n``), each
@@ -371,12 +599,16 @@ class Trainer:
             finite = True
             for j in grp:
                 mb = mbs[j]
-                lp, ent = self._logprobs(self.model, mb, with_entropy=scores.entropy[j] is None)
+                bonus = lc.entropy_coef > 0
+                lp, ent = self._logprobs(self.model, mb, with_entropy=bonus or scores.entropy[j] is None,
+                                         entropy_grad=bonus)
                 if scores.entropy[j] is None:
-                    scores.entropy[j] = ent
+                    scores.entropy[j] = ent.detach()
                 inputs = self._objective_inputs(mb, lp, scores, j, batch.token_weights[j], up.extra)
                 out = self.objective.loss(inputs, lc, self.dis_eps)
                 loss = out.loss_sum
+                if bonus:  # aggregated like the loss (its token weights and denominator)
+                    loss = loss - lc.entropy_coef * loss_lib.entropy_bonus(ent, mb.mask, token_weights=batch.token_weights[j])
                 if scores.reference[j] is not None:
                     # aggregated like the policy loss (loss.aggregation's weights and denominator;
                     # verl agg_loss on the KL term); not masked by loss.kl_reject (verl drops
@@ -475,6 +707,8 @@ class Trainer:
             "train/entropy": ent_sum / max(1, n_tok),
             "train/kl_ref": update.kl_sum / max(1, n_tok),
             "train/advantage_abs_mean": float(batch.sequence_advantages.abs().mean()),
+            **({"train/advantage_token_mean": float(sum(float(mb.advantages.sum()) for mb in mbs) / max(1, n_tok))}
+               if self.critic is not None else {}),
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std(unbiased=False)),
         })
@@ -484,7 +718,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
-        """Everything needed to continue exactly: model, optimizer, scheduler, version, counters."""
+        """Everything needed to continue exactly: model, optimizer, scheduler, version, counters;
+        the critic's model, optimizer, schedule and warm-up count (``loss.advantage=gae``); the
+        sliding-window baseline's history."""
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -492,6 +728,9 @@ class Trainer:
             "version": self.version,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "proximal": self.proximal.state_dict(),
+            **({"critic": self.critic_updater.state_dict(), "critic_warmup_done": self.critic_warmup_done}
+               if self.critic_updater is not None else {}),
+            **({"baseline": self.baseline.state_dict()} if self.baseline is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -503,3 +742,11 @@ class Trainer:
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
         self.proximal.load_state_dict(state.get("proximal", {}))
         self.proximal.on_load(self.model, self.version)
+        if self.critic_updater is not None:
+            if "critic" not in state:
+                raise ValueError("the checkpoint has no critic (it was written with loss.advantage != gae); "
+                                 "resume it with its own loss.advantage")
+            self.critic_updater.load_state_dict(state["critic"])
+            self.critic_warmup_done = int(state.get("critic_warmup_done", 0))
+        if self.baseline is not None and "baseline" in state:
+            self.baseline.load_state_dict(state["baseline"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -62,7 +62,6 @@ class Updater:
     params: list[torch.nn.Parameter]
     grad_clip: float | None = None
     steps: int = 0
-    extra_state: dict = field(default_factory=dict)
 
     @classmethod
     def adamw(cls, name: str, model: torch.nn.Module, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
