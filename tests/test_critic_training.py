@@ -285,3 +285,21 @@ def test_sao_run_with_warmup_killed_and_resumed_keeps_every_log_exact(tmp_path):
     assert all(m["critic/updates"] == 2.0 for m in metrics)
     state = torch.load(sorted((run / "checkpoints").glob("step_*"))[-1] / "trainer.pt", weights_only=False)
     assert state["version"] == 3 and state["critic_warmup_done"] == 2 and state["critic"]["steps"] == 10
+
+
+@pytest.mark.parametrize("name,group,batch,loss,advantage,k,frozen,warmup", [
+    ("sao", 1, 16, "dis", "gae", 2, True, 10),
+    ("grpo", 4, 4, "decoupled_ppo", "grpo", 2, True, 0),
+    ("grpo_dis", 4, 4, "dis", "grpo", 2, True, 0),
+    ("vapo_nodis", 1, 16, "ppo", "gae", 1, False, 10),
+])
+def test_presets_load_with_the_same_responses_per_update(name, group, batch, loss, advantage, k, frozen, warmup):
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml")
+    assert (cfg.rollout.group_size, cfg.trainer.batch_size) == (group, batch)
+    assert cfg.rollout.group_size * cfg.trainer.batch_size == 16  # same sample budget per update
+    assert (cfg.loss.name, cfg.loss.advantage) == (loss, advantage)
+    assert (cfg.critic.updates_per_step, cfg.critic.freeze_attention, cfg.critic.warmup_steps) == (k, frozen, warmup)
+    if loss == "dis":
+        assert cfg.loss.dis_preset == "reasoning"

@@ -131,6 +131,7 @@ class Scores:
     entropy: list[torch.Tensor | None]
     values: list[torch.Tensor | None] = field(default_factory=list)
     returns: list[torch.Tensor | None] = field(default_factory=list)
+    value_seconds: float = 0.0
 
 
 @dataclass
@@ -335,7 +336,7 @@ class Trainer:
         batch = self.pack(trajectories)
         t_prox = time.perf_counter()
         scores = self.score(batch)
-        metrics["time/proximal_s"] = time.perf_counter() - t_prox
+        metrics["time/proximal_s"] = time.perf_counter() - t_prox - scores.value_seconds
         self.assign_advantages(batch, scores)
         update = self.policy_update(batch, scores, window=int(metrics["staleness/max"]))
         metrics["time/proximal_s"] += update.proximal_seconds
@@ -343,7 +344,9 @@ class Trainer:
         if self.critic is not None:
             t_critic = time.perf_counter()
             metrics.update(self.critic_update(batch, scores))
-            metrics["time/critic_s"] = time.perf_counter() - t_critic
+            # the K updates and the pre-update value forward of the score phase
+            metrics["time/critic_s"] = time.perf_counter() - t_critic + scores.value_seconds
+            metrics["time/critic_values_s"] = scores.value_seconds
         self.version += 1
         stop = self._count_nonfinite(update.skipped)
         metrics.update(self.step_metrics(batch, scores, update))
@@ -398,7 +401,9 @@ class Trainer:
                 if self.ref_model is not None:
                     scores.reference[j], _ = self._logprobs(self.ref_model, mb)
                 if self.critic is not None:
+                    t_v = time.perf_counter()
                     scores.values[j] = self._values(mb, mask=(mb.response_index >= 0).float())
+                    scores.value_seconds += time.perf_counter() - t_v
         return scores
 
     def score_values(self, batch: StepBatch) -> Scores:
@@ -601,7 +606,7 @@ class Trainer:
                 mb = mbs[j]
                 bonus = lc.entropy_coef > 0
                 lp, ent = self._logprobs(self.model, mb, with_entropy=bonus or scores.entropy[j] is None,
-                                         entropy_grad=bonus)
+                                         **({"entropy_grad": True} if bonus else {}))
                 if scores.entropy[j] is None:
                     scores.entropy[j] = ent.detach()
                 inputs = self._objective_inputs(mb, lp, scores, j, batch.token_weights[j], up.extra)
