@@ -111,6 +111,36 @@ def test_behaviour_weight_benchmark_quick():
     assert cells[(1.0, 20)]["support_max"] == 20
 
 
+
+def test_critic_benchmark_quick(tmp_path):
+    """SAO's critic cost against GRPO on the tiny model, all rows in one run: every row timed,
+    the SAO rows spend time in their critic phase and take exactly K critic optimiser steps
+    (fails if the critic phase were skipped or cut short)."""
+    out = tmp_path / "critic.json"
+    r = _run("critic.py", "--json", str(out))
+    assert json.loads(out.read_text()) == r
+    assert r["model"] == "tiny" and r["kl_coef"] == 0.0
+    rows = {row["name"]: row for row in r["rows"]}
+    assert list(rows) == ["grpo", "grpo, prompts not shared", "sao", "sao K=1", "sao attention trained",
+                          "sao critic policy:1"]
+    grpo = rows["grpo"]
+    for row in rows.values():
+        assert row["seconds"] > 0 and row["tokens"] == grpo["tokens"] > 0, row["name"]
+        assert row["ratio_seconds"] == pytest.approx(row["seconds"] / grpo["seconds"])
+        assert row["peak_delta_gb"] is None or row["peak_delta_gb"] > 0
+        assert row["train/skipped_nonfinite"] == 0
+    # the single-response layout packs every prompt; GRPO shares a group's prompt
+    assert rows["sao"]["positions"] == rows["grpo, prompts not shared"]["positions"] > grpo["positions"]
+    assert grpo["critic_s"] == 0 and "critic/updates" not in grpo
+    for name, k in (("sao", 2), ("sao K=1", 1), ("sao attention trained", 2), ("sao critic policy:1", 2)):
+        row = rows[name]
+        assert row["K"] == k and row["critic/updates"] == k and row["critic/skipped_nonfinite"] == 0, row
+        assert row["critic_s"] > 0 and row["score_s"] > 0 and row["rest_s"] > 0, row
+        assert row["critic_s"] + row["score_s"] < row["seconds"], row
+    # frozen attention trains fewer critic parameters; policy:1 keeps fewer of them
+    assert rows["sao"]["critic_trainable_params"] < rows["sao attention trained"]["critic_trainable_params"]
+    assert rows["sao critic policy:1"]["critic_params"] < rows["sao"]["critic_params"]
+
 def test_chaos_quick(tmp_path):
     """The chaos suite's quick mode (3 kill -9 + resume, damaged checkpoints, full disk, 100
     reward faults, non-finite losses): every row passes, and the audit would catch a defect

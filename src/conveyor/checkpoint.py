@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
-_TMP_RE = re.compile(r"^\.tmp_step_(\d+)_(\d+)$")
+_TMP_RE = re.compile(r"^\.tmp_(?:step|warmup)_(\d+)_(\d+)$")
+_NAME_RE = re.compile(r"(step|warmup)_(\d+)")
 
 
 class CheckpointError(RunFileError):
@@ -62,19 +63,35 @@ class CheckpointError(RunFileError):
 
 
 def checkpoint_version(path: Path) -> int:
-    """The version of ``checkpoints/step_<version>``."""
-    return int(path.name.split("_")[1])
+    """The policy version of ``checkpoints/step_<version>`` (0 for ``warmup_<k>``)."""
+    kind, n = _NAME_RE.fullmatch(path.name).groups()
+    return int(n) if kind == "step" else 0
+
+
+def checkpoint_order(path: Path) -> tuple[int, int]:
+    """Sort key, oldest first: ``warmup_<k>`` (critic warm-up step ``k``, policy version 0)
+    before ``step_<v>`` (v >= 1)."""
+    kind, n = _NAME_RE.fullmatch(path.name).groups()
+    return (int(n), 0) if kind == "step" else (0, int(n))
+
+
+def checkpoint_name(trainer) -> str:
+    """``step_<version>``, or ``warmup_<k>`` while the critic warm-up is not finished
+    (``critic.warmup_steps``; the policy version is still 0 there)."""
+    if getattr(trainer, "in_critic_warmup", False):
+        return f"warmup_{trainer.critic_warmup_done}"
+    return f"step_{trainer.version}"
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Committed checkpoints (``step_N`` with a ``DONE`` marker), oldest first."""
+    """Committed checkpoints (``step_N`` or ``warmup_K`` with a ``DONE`` marker), oldest first."""
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
     cands = [
-        p for p in root.iterdir() if re.fullmatch(r"step_\d+", p.name) and (p / "DONE").is_file()
+        p for p in root.iterdir() if _NAME_RE.fullmatch(p.name) and (p / "DONE").is_file()
     ]
-    return sorted(cands, key=checkpoint_version)
+    return sorted(cands, key=checkpoint_order)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -97,7 +114,8 @@ def _fsync(path: Path) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, trainer, controller, keep: int = 1) -> Path:
-    """Write ``checkpoints/step_<trainer.version>`` atomically and keep the newest ``keep``.
+    """Write ``checkpoints/step_<trainer.version>`` (``warmup_<k>`` during the critic warm-up:
+    :func:`checkpoint_name`) atomically and keep the newest ``keep``.
 
     Args:
         run_dir: The run directory.
@@ -115,10 +133,11 @@ def save_checkpoint(run_dir: str | Path, trainer, controller, keep: int = 1) -> 
     """
     root = Path(run_dir) / CHECKPOINTS
     version = trainer.version
-    final = root / f"step_{version}"
+    name = checkpoint_name(trainer)
+    final = root / name
     if (final / "DONE").is_file():
         return final
-    tmp = root / f".tmp_step_{version}_{os.getpid()}"
+    tmp = root / f".tmp_{name}_{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -140,12 +159,12 @@ def save_checkpoint(run_dir: str | Path, trainer, controller, keep: int = 1) -> 
         atomic_write_json(
             tmp / MANIFEST,
             {"version": version, "files": files},
-            what=f"checkpoint step_{version} manifest",
+            what=f"checkpoint {name} manifest",
         )
         atomic_write(
             tmp / "DONE",
             lambda p: p.write_text(str(version)),
-            what=f"checkpoint step_{version} marker",
+            what=f"checkpoint {name} marker",
         )
         if final.exists():  # an uncommitted leftover (no DONE) of an earlier crash
             shutil.rmtree(final)
@@ -153,7 +172,7 @@ def save_checkpoint(run_dir: str | Path, trainer, controller, keep: int = 1) -> 
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         prev = latest_checkpoint(run_dir)
-        err = describe_os_error(e, f"checkpoint step_{version} under {root}")
+        err = describe_os_error(e, f"checkpoint {name} under {root}")
         kept = (
             f"the previous checkpoint {prev.name} is intact"
             if prev is not None
@@ -275,7 +294,7 @@ def clean_stale_checkpoint_dirs(run_dir: str | Path) -> list[str]:
                 continue  # not ours and its writer may still be running (a pre-lock version)
             shutil.rmtree(p, ignore_errors=True)
             removed.append(f"{p.name} (an unfinished checkpoint write of process {pid})")
-        elif re.fullmatch(r"step_\d+", p.name) and p.is_dir() and not (p / "DONE").is_file():
+        elif _NAME_RE.fullmatch(p.name) and p.is_dir() and not (p / "DONE").is_file():
             shutil.rmtree(p, ignore_errors=True)
             removed.append(f"{p.name} (no DONE marker: never committed)")
     return removed

@@ -116,7 +116,13 @@ class LossConfig(_Strict):
     dual_clip: float | None = Field(default=None, gt=1.0)
     behaviour_weight_cap: float | None = Field(default=5.0, gt=0)
     behaviour_weight_cap_mode: Literal["clamp", "mask"] = "mask"
-    advantage: Literal["grpo", "dr_grpo", "reinforce"] = "grpo"
+    advantage: Literal["grpo", "dr_grpo", "reinforce", "gae", "sliding_window"] = Field(
+        default="grpo", description="grpo / dr_grpo (group baseline), reinforce (batch-mean baseline), gae (a critic: the "
+                                    "critic.* section; MISSION.md section 3), sliding_window (mean of the previous "
+                                    "loss.baseline_window rewards, SAO's critic-free ablation)")
+    baseline_window: int = Field(default=64, ge=1, description="rewards in the sliding_window baseline")
+    entropy_coef: float = Field(default=0.0, ge=0, description="entropy bonus: the loss minus this x the policy's "
+                                                              "entropy (nats), aggregated like the loss")
     kl_coef: float = Field(default=0.05, ge=0, description="KL(pi_theta || pi_ref) penalty weight (k3); 0 disables the reference model")
     discrepancy_low: float = Field(default=0.8, gt=0, le=1, description="two_ratio / ewma keep-rate: lower bound of pi_old_train / pi_behav")
     discrepancy_high: float = Field(default=1.25, ge=1, description="two_ratio / ewma keep-rate: upper bound of pi_old_train / pi_behav")
@@ -132,6 +138,47 @@ class LossConfig(_Strict):
     kl_reject_threshold: float = Field(default=0.01, gt=0, description="nats per token")
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"] = "token_mean"
     aggregation_constant: float | None = Field(default=None, gt=0, description="tokens, for aggregation=constant (default rollout.max_new_tokens)")
+
+
+class CriticConfig(_Strict):
+    """The value model of critic-based training, used when ``loss.advantage=gae`` (SAO, MISSION.md
+    section 3: K = 2 critic updates per policy update, frozen attention, warm-up, critic lambda 1,
+    length-adaptive policy lambda with alpha 1.5, skip-observation GAE)."""
+
+    backbone: str = Field(default="policy", description="policy (a copy of the policy's transformer), policy:L (its "
+                                                        "first L layers), or a model preset / HF dir with the policy's "
+                                                        "vocabulary (e.g. tiny)")
+    lr: float = Field(default=5e-5, gt=0, description="critic learning rate (SAO: 5x the actor's)")
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    updates_per_step: int = Field(default=2, ge=1, description="K: critic optimiser steps per policy update, on "
+                                                               "returns computed once with the pre-update critic")
+    freeze_attention: bool = Field(default=True, description="train only MLP / MoE blocks, norms, embeddings and "
+                                                             "the value head (attention found by module type)")
+    warmup_steps: int = Field(default=0, ge=0, description="critic-only steps on rollouts of the initial policy "
+                                                          "before RL (the policy and its version stay at 0)")
+    value_clip: float | None = Field(default=None, gt=0, description="PPO value clipping around the pre-update "
+                                                                     "values; null = off")
+    gamma: float = Field(default=1.0, ge=0, le=1, description="discount per action token")
+    lam: float = Field(default=1.0, ge=0, le=1, description="critic lambda (returns)")
+    policy_lam: float | Literal["adaptive"] = Field(
+        default="adaptive", description="policy lambda (advantages): a number in [0, 1] or adaptive = 1 - 1 / "
+                                        "(lam_alpha x action tokens) (VAPO, SAO)")
+    lam_alpha: float = Field(default=1.5, gt=0, description="alpha of the length-adaptive policy lambda")
+    skip_observations: bool = Field(default=True, description="the TD chain skips tool-observation tokens (SAO); "
+                                                              "false = naive GAE through them (ablation)")
+    values: Literal["token", "turn"] = Field(default="token", description="token-level values, or one value per "
+                                                                          "action segment (ablation)")
+    whiten_advantages: bool = Field(default=False, description="normalise the batch's advantages to mean 0, std 1 "
+                                                               "over action tokens")
+
+    @field_validator("policy_lam")
+    @classmethod
+    def _policy_lam_range(cls, v):
+        if v != "adaptive" and not 0.0 <= float(v) <= 1.0:
+            raise ValueError(f"critic.policy_lam must be in [0, 1] or adaptive, got {v}")
+        return v
 
 
 class ProximalConfig(_Strict):
@@ -239,6 +286,7 @@ class TrainConfig(_Strict):
     loss: LossConfig = LossConfig()
     proximal: ProximalConfig = ProximalConfig()
     trainer: TrainerConfig = TrainerConfig()
+    critic: CriticConfig = CriticConfig()
     run: RunConfig = RunConfig()
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True,
@@ -257,6 +305,9 @@ class TrainConfig(_Strict):
                 f"rollout.max_concurrent ({self.rollout.max_concurrent}) must be >= rollout.group_size ({self.rollout.group_size})"
             )
         _check_can_learn(self.rollout.temperature, self.rollout.group_size, self.loss.advantage)
+        if self.critic.warmup_steps and self.loss.advantage != "gae":
+            raise ValueError(f"critic.warmup_steps={self.critic.warmup_steps} needs a critic: set loss.advantage=gae "
+                             "(or critic.warmup_steps=0)")
         return self
 
     @model_validator(mode="after")
@@ -300,7 +351,8 @@ def _check_can_learn(temperature: float, group_size: int, advantage: str) -> Non
         raise ValueError(
             f"loss.advantage={advantage} with rollout.group_size=1: a group of one response is "
             "its own mean, so every advantage is 0 (nothing is learned); use "
-            "rollout.group_size >= 2 or loss.advantage=reinforce"
+            "rollout.group_size >= 2, or loss.advantage=gae (a critic, configs/sao.yaml), "
+            "reinforce or sliding_window"
         )
 
 

@@ -70,6 +70,9 @@ FIXED_ON_RESUME = (
     ("run", "dir"),
     ("rollout", "group_size"),
     ("trainer", "batch_size"),
+    ("loss", "advantage"),  # whether the checkpoint holds a critic
+    ("critic", "backbone"),
+    ("critic", "warmup_steps"),  # the warm-up's log steps (Trainer.log_step) depend on it
 )
 # keys that decide which problems the held-out evaluation asks and how: fixed once
 # eval_before.json exists, or "before" and "after" would measure different things

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from conveyor.runtime_files import atomic_write, atomic_write_text
 
-STEP_LOGS = ("metrics.jsonl", "trained.jsonl", "samples.jsonl")
+STEP_LOGS = ("metrics.jsonl", "trained.jsonl", "samples.jsonl", "critic_warmup.jsonl")
+CRITIC_WARMUP = "critic_warmup.jsonl"
 EVENTS = "events.jsonl"
 
 
@@ -73,7 +74,22 @@ class MetricsLogger:
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()  # a killed process keeps its curves (TensorBoard buffers up to 120 s)
 
-    def trained(self, step: int, batch, not_trained: list[dict] | None = None) -> None:
+    def warmup(self, step: int, warmup_step: int, metrics: dict[str, float]) -> None:
+        """Record critic warm-up step ``warmup_step`` (``critic.warmup_steps``; MISSION.md section
+        3) in ``critic_warmup.jsonl`` at log ``step`` (``warmup_step - W``, <= 0; see
+        ``Trainer.log_step``) and in TensorBoard as ``critic_warmup/*`` at the same step."""
+        self.version = step
+        row = {"step": step, "warmup_step": warmup_step, "time": time.time(), "segment": self.segment,
+               **{k: _clean(v) for k, v in metrics.items()}}
+        with (self.run_dir / CRITIC_WARMUP).open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(f"critic_warmup/{k.split('/', 1)[-1]}", v, step)
+            self._tb.flush()
+
+    def trained(self, step: int, batch, not_trained: list[dict] | None = None, phase: str | None = None) -> None:
         """Append to ``trained.jsonl`` which trajectory groups (and samples, versions) the update
         that produced policy version ``step`` consumed: an audit trail showing that no trajectory
         is trained twice, across resumes too. Each group also lists ``lengths`` ([prompt,
@@ -88,6 +104,8 @@ class MetricsLogger:
                 (:meth:`~conveyor.rollout.controller.RolloutController.take_not_trained`:
                 dropped as stale, filtered, rejected, failed, prompt too long), listed under
                 ``"not_trained"`` so every sample the data stream handed out is accounted for.
+            phase: ``"critic_warmup"`` for a batch a critic warm-up step consumed (the critic
+                trained on it, the policy did not); None for a policy update.
         """
         groups: dict[str, dict] = {}
         for t in batch:
@@ -100,6 +118,8 @@ class MetricsLogger:
             g.setdefault("reward_seconds", []).append(float(t.metadata.get("reward_seconds", 0.0)))
         with (self.run_dir / "trained.jsonl").open("a") as f:
             row = {"step": step, "groups": list(groups.values())}
+            if phase is not None:
+                row["phase"] = phase
             if not_trained:
                 row["not_trained"] = not_trained
             f.write(json.dumps(row) + "\n")

@@ -179,6 +179,44 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
         ctx.close()
 
 
+def _critic_warmup(trainer: Trainer, cfg: TrainConfig, buffer: TrajectoryBuffer, batch_trajectories: int,
+                   controller: RolloutController, logger: MetricsLogger, run_dir: Path, console, health,
+                   stop) -> float:
+    """The critic warm-up (``critic.warmup_steps``; SAO's cold start, MISSION.md section 3):
+    critic-only steps on batches of the frozen initial policy's rollouts, before any policy
+    update. Each step is logged (``critic_warmup.jsonl``, TensorBoard ``critic_warmup/*``, the
+    batch in ``trained.jsonl`` with ``phase: critic_warmup``) and checkpointed as
+    ``warmup_<k>`` every ``run.checkpoint_every`` steps, so a resume continues mid-warm-up.
+
+    Returns:
+        Seconds the trainer was busy.
+    """
+    total = cfg.critic.warmup_steps
+    busy = 0.0
+    console.print(f"critic warm-up: {total - trainer.critic_warmup_done} critic-only steps on rollouts of the "
+                  f"initial policy ({trainer.critic_note})")
+    while trainer.in_critic_warmup and not stop.is_set():
+        batch = wait_for_batch(buffer, batch_trajectories, lambda: trainer.version, health_fn=health, stop=stop)
+        if batch is None:
+            break
+        t0 = time.perf_counter()
+        metrics = trainer.critic_warmup_step(batch)
+        controller.set_warmup_batches(trainer.critic_warmup_done)
+        busy += time.perf_counter() - t0
+        k = trainer.critic_warmup_done
+        logger.warmup(trainer.log_step, k, metrics)
+        logger.trained(trainer.log_step, batch, not_trained=controller.take_not_trained(), phase="critic_warmup")
+        console.print(f"critic warm-up {k}/{total}: value loss {metrics.get('critic/value_loss', float('nan')):.4f} "
+                      f"-> {metrics.get('critic/value_loss_last', float('nan')):.4f}, explained variance "
+                      f"{metrics.get('critic/explained_variance', float('nan')):.3f}, reward "
+                      f"{metrics['reward/mean']:.3f} ({metrics['time/critic_warmup_step_s']:.1f} s)")
+        fault_point("step_end")  # chaos suite: a kill between steps
+        if k % cfg.run.checkpoint_every == 0 and trainer.in_critic_warmup:
+            p = save_checkpoint(run_dir, trainer, controller, keep=cfg.run.keep_checkpoints)
+            logger.event("checkpoint", path=str(p), version=trainer.log_step)
+    return busy
+
+
 def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
                   ctx: RunContext) -> TrainResult:
     """The body of :func:`run_training`; everything to release is registered on ``ctx``."""
@@ -224,7 +262,7 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
     train_samples, heldout, n_too_long, warnings = preflight_samples(
         cfg, train_samples, heldout, tokenizer, policy)
     trainer = Trainer(policy, cfg.trainer, cfg.loss, temperature=cfg.rollout.temperature, proximal_cfg=cfg.proximal,
-                      eta=cfg.asynchronous.eta, max_new_tokens=cfg.rollout.max_new_tokens)
+                      eta=cfg.asynchronous.eta, max_new_tokens=cfg.rollout.max_new_tokens, critic_cfg=cfg.critic)
     state = None
     if ckpt is not None:
         trainer.load_state_dict(torch.load(ckpt / "trainer.pt", weights_only=False))
@@ -236,9 +274,9 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
                           f"trainer.total_steps={cfg.trainer.total_steps}: completing its "
                           "evaluation, export and summary; to train longer: conveyor train "
                           f"--resume {run_dir} trainer.total_steps=N")
-        resumed = prepare_resume(run_dir, trainer.version)
+        resumed = prepare_resume(run_dir, trainer.log_step)
     elif restart_in_place:  # locked above; every row an earlier process logged is superseded
-        resumed = prepare_resume(run_dir, 0)
+        resumed = prepare_resume(run_dir, trainer.log_step)
         (run_dir / "eval_before.json").unlink(missing_ok=True)
     else:
         run_dir = _make_run_dir(cfg)
@@ -246,8 +284,8 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
     ctx.trainer, ctx.start_version = trainer, trainer.version
 
     atomic_write_json(run_dir / "config.json", cfg.to_dict())
-    logger = MetricsLogger(run_dir, version=trainer.version, segment=next_segment(run_dir),
-                           purge_step=trainer.version + 1 if (ckpt is not None or restart_in_place) else None)
+    logger = MetricsLogger(run_dir, version=trainer.log_step, segment=next_segment(run_dir),
+                           purge_step=trainer.log_step + 1 if (ckpt is not None or restart_in_place) else None)
     ctx.logger = logger
     ctx.stack.callback(logger.close)
     handler = logging.FileHandler(run_dir / "train.log")
@@ -258,6 +296,9 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
     logger.event("proximal", method=trainer.proximal.name, requested=cfg.proximal.method, note=trainer.proximal_note,
                  extra_bytes=trainer.proximal.extra_bytes())
     logger.event("precision", bf16=trainer.bf16, note=trainer.precision_note)  # trainer.bf16=auto's choice
+    if trainer.critic is not None:
+        logger.event("critic", note=trainer.critic_note, warmup_done=trainer.critic_warmup_done,
+                     warmup_steps=cfg.critic.warmup_steps)
     if restart_in_place:
         logger.event("restart", version=0, **resumed)
     if ckpt is not None:
@@ -309,6 +350,7 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
     ctx.stack.callback(controller.stop)
     # prompts dropped up front (on resume, restore() puts back the checkpoint's count)
     controller.stats.prompts_too_long = n_too_long
+    controller.set_warmup_batches(trainer.critic_warmup_done)
     if state is not None:
         controller.restore(state["controller"], trainer.version)
 
@@ -365,7 +407,10 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
     train_seconds: list[float] = []
     try:
         with bar:
-            while trainer.version < total and not stop.is_set():
+            if trainer.in_critic_warmup:
+                trainer_busy += _critic_warmup(trainer, cfg, buffer, B, controller, logger, run_dir, console,
+                                               health, stop)
+            while trainer.version < total and not stop.is_set() and not trainer.in_critic_warmup:
                 batch = wait_for_batch(buffer, B, lambda: trainer.version, health_fn=health, stop=stop)
                 if batch is None:
                     break

@@ -152,6 +152,9 @@ class RolloutController:
         self.max_filtered_in_a_row = max_filtered_in_a_row
         self.stats = ControllerStats()
         self._version = version
+        # batches the trainer consumed without a policy update (the critic warm-up): the capacity
+        # rule counts them like versions, or admission would stop after eta + 1 warm-up batches
+        self.warmup_batches = 0
         self._filtered_in_a_row = 0
         self._inflight: dict[int, int] = {}  # episode id -> sample index
         # samples handed out that will never reach the trainer, not yet in the audit trail
@@ -185,6 +188,13 @@ class RolloutController:
     def set_version(self, version: int) -> None:
         """Publish the policy version the engine now runs (after a weight update)."""
         self._version = version
+        self._poke()
+
+    def set_warmup_batches(self, n: int) -> None:
+        """Batches consumed so far by critic-only warm-up steps (``critic.warmup_steps``): they
+        free admission capacity like a version does, while the policy (and its version) stay
+        at 0. Set it before :meth:`restore` on a resume."""
+        self.warmup_batches = n
         self._poke()
 
     def pause(self) -> None:
@@ -244,14 +254,14 @@ class RolloutController:
     def restore(self, state: dict, version: int) -> None:
         """Restore :meth:`snapshot` output before :meth:`start` (resume at trainer ``version``):
         re-queues samples, puts buffered groups back and resets the accepted count to
-        ``version * B + buffered`` (MISSION.md section 1)."""
+        ``(version + warmup_batches) * B + buffered`` (MISSION.md section 1)."""
         self.data.load_state_dict(state["data"])
         self.staleness.load_state_dict(state["staleness"])
         buffered = 0
         for g in state["buffer"]:
             self.buffer.put(g)
             buffered += len(g)
-        self.staleness.reset_after_resume(version, buffered=buffered)
+        self.staleness.reset_after_resume(version + self.warmup_batches, buffered=buffered)
         for k, v in state.get("stats", {}).items():
             if hasattr(self.stats, k):
                 setattr(self.stats, k, v)
@@ -272,7 +282,7 @@ class RolloutController:
         tasks: set[asyncio.Task] = set()
         while not self._stop.is_set():
             if not self._paused.is_set():
-                cap = self.staleness.capacity(self._version)
+                cap = self.staleness.capacity(self._version + self.warmup_batches)
                 while cap >= self.group_size and not self._stop.is_set():
                     with self._lock:
                         idx, sample = self.data.next()

@@ -56,6 +56,9 @@ class PackedBatch:
             target token as CSR over the row-major positions (position ``j`` of row ``r`` owns
             ``ids[offsets[r * L + j]:offsets[r * L + j + 1]]``; an empty range = full
             vocabulary) when some trajectory carries a ``sampling_mask``; None otherwise.
+        response_index: ``[R, L]`` int64, ``k`` where the target is response token ``k`` of its
+            trajectory (action or observation), -1 elsewhere; with ``seq_index`` it maps every
+            position to ``(trajectory, response token)`` for per-token estimators (GAE).
     """
 
     input_ids: torch.Tensor
@@ -70,6 +73,7 @@ class PackedBatch:
     old_logprobs: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
     support: tuple[torch.Tensor, torch.Tensor] | None = None
+    response_index: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -154,6 +158,9 @@ def _append_segment(row: dict[str, list], t: Trajectory, a: float, s: int, seg: 
     row["seg"] += [seg] * n
     row["att"] += [attend] * n
     row["ssz"] += sz
+    rix = [-1] * n
+    rix[p - 1 : p - 1 + r] = range(r)
+    row["rix"] += rix
 
 
 def unit_members(item: int | tuple[int, ...]) -> tuple[int, ...]:
@@ -163,7 +170,7 @@ def unit_members(item: int | tuple[int, ...]) -> tuple[int, ...]:
 
 def _pack_row(trajectories: list[Trajectory], advantages: torch.Tensor, items: list, s0: int) -> dict[str, list]:
     row: dict[str, list] = {k: [] for k in ("ids", "pos", "tgt", "msk", "blp", "ver", "adv", "seq", "old", "seg", "att",
-                                            "ssz", "sid")}
+                                            "ssz", "sid", "rix")}
     s, seg = s0, 0
     for item in items:
         members = unit_members(item)
@@ -194,6 +201,7 @@ def _pack_row(trajectories: list[Trajectory], advantages: torch.Tensor, items: l
         row["seg"] += [prefix_seg] * n
         row["att"] += [-1] * n
         row["ssz"] += [0] * n
+        row["rix"] += [-1] * n
         seg += 1
         for i in members:
             _append_segment(row, trajectories[i], float(advantages[i]), s, seg, prefix_seg, prompt[-1:], n)
@@ -267,7 +275,7 @@ def pack(trajectories: list[Trajectory], advantages: torch.Tensor, rows: list[li
     shared = any(isinstance(item, tuple) and len(item) > 1 for idx in rows for item in idx)
     L = max(len(r["ids"]) for r in built)
     pad_vals = {"ids": 0, "tgt": 0, "msk": 0.0, "blp": 0.0, "ver": -1, "adv": 0.0, "seq": -1, "old": math.nan, "att": -1,
-                "ssz": 0}
+                "ssz": 0, "rix": -1}
     for r in built:
         n_pad = L - len(r["ids"])
         for k, v in pad_vals.items():
@@ -305,6 +313,7 @@ def pack(trajectories: list[Trajectory], advantages: torch.Tensor, rows: list[li
         old_logprobs=mat("old", torch.float32),
         attention_mask=attention_mask,
         support=support,
+        response_index=mat("rix", torch.long),
     )
 
 

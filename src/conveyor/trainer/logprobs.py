@@ -25,20 +25,24 @@ def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def _chunk_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                            inv_t: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of ``targets`` and the entropy (detached) from one vocabulary projection.
+def _entropy(logits: torch.Tensor, lse: torch.Tensor, grad: bool) -> torch.Tensor:
+    """``H = lse - sum_v p_v z_v`` with ``p = softmax(z)``: the same value as ``-(p * log p).sum()``
+    without a second ``[chunk, V]`` log-softmax copy; detached unless ``grad`` (entropy bonus)."""
+    if grad:
+        return lse - torch.linalg.vecdot(torch.exp(logits - lse.unsqueeze(-1)), logits)
+    with torch.no_grad():
+        z, m = logits.detach(), lse.detach()
+        return m - torch.linalg.vecdot(torch.exp(z - m.unsqueeze(-1)), z)
 
-    ``H = lse - sum_v p_v z_v`` with ``p = softmax(z)``, ``z = logits / T``: the same value as
-    ``-(p * log p).sum()`` without a second ``[chunk, V]`` log-softmax copy or a second projection.
-    """
+
+def _chunk_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                            inv_t: float, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``targets`` and the entropy (:func:`_entropy`) from one vocabulary projection
+    (``z = logits / T``)."""
     logits = F.linear(hidden, weight).float() * inv_t
     lse = torch.logsumexp(logits, dim=-1)
     lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    with torch.no_grad():
-        z, m = logits.detach(), lse.detach()
-        ent = m - torch.linalg.vecdot(torch.exp(z - m.unsqueeze(-1)), z)
-    return lp, ent
+    return lp, _entropy(logits, lse, entropy_grad)
 
 
 def _masked_lse(logits: torch.Tensor, lse: torch.Tensor, sup_ids: torch.Tensor,
@@ -62,18 +66,15 @@ def _chunk_logprobs_masked(hidden: torch.Tensor, weight: torch.Tensor, targets: 
 
 def _chunk_logprobs_entropy_masked(hidden: torch.Tensor, weight: torch.Tensor,
                                    targets: torch.Tensor, inv_t: float, sup_ids: torch.Tensor,
-                                   sup_valid: torch.Tensor,
-                                   full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                                   sup_valid: torch.Tensor, full: torch.Tensor,
+                                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`_chunk_logprobs_entropy`; the log-probs are renormalised over the kept sets, the
     entropy stays that of the full ``softmax(z)``."""
     logits = F.linear(hidden, weight).float() * inv_t
     lse_full = torch.logsumexp(logits, dim=-1)
     lse = _masked_lse(logits, lse_full, sup_ids, sup_valid, full)
     lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    with torch.no_grad():
-        z, m = logits.detach(), lse_full.detach()
-        ent = m - torch.linalg.vecdot(torch.exp(z - m.unsqueeze(-1)), z)
-    return lp, ent
+    return lp, _entropy(logits, lse_full, entropy_grad)
 
 
 def _chunk_support(sup_ids: torch.Tensor, starts: torch.Tensor, sizes: torch.Tensor,
@@ -110,6 +111,7 @@ def token_logprobs(
     mask: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     support: tuple[torch.Tensor, torch.Tensor] | None = None,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log pi(targets[j] | input_ids[:j+1])`` for every position of a packed row.
 
@@ -128,7 +130,8 @@ def token_logprobs(
         temperature: Sampling temperature T > 0 the rollouts used.
         chunk_tokens: Positions per lm_head chunk (memory / speed trade-off).
         with_entropy: Also return the per-token entropy (nats) of the FULL temperature-scaled
-            distribution ``softmax(logits / T)`` (not of the truncated one), without gradient.
+            distribution ``softmax(logits / T)`` (not of the truncated one), without gradient
+            unless ``entropy_grad``.
         mask: Optional ``[R, L]``; only positions with mask > 0 are projected (others get 0),
             which skips the vocabulary projection of prompt tokens.
         attention_mask: Optional ``[R, 1, L, L]`` bool, True where a position may attend (packed
@@ -139,6 +142,8 @@ def token_logprobs(
             empty range = full vocabulary. Per chunk the logits are gathered at the kept ids
             (``[chunk, largest set]``, padded with -inf), so memory stays one ``[chunk, V]``
             block; a chunk without sets computes exactly as with ``support=None``.
+        entropy_grad: Let gradients flow through the entropy (an entropy bonus in the loss;
+            ``loss.entropy_coef``); only with ``with_entropy``.
 
     Returns:
         ``(logprobs [R, L] float32, entropy [R, L] float32 or None)``. Gradients flow into
@@ -195,6 +200,8 @@ def token_logprobs(
             fn = _chunk_logprobs_entropy_masked if with_entropy else _chunk_logprobs_masked
         else:
             fn = _chunk_logprobs_entropy if with_entropy else _chunk_logprobs
+        if with_entropy and entropy_grad:
+            args += (True,)
         out_c = checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args)
         if with_entropy:
             parts.append(out_c[0])

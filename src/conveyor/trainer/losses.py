@@ -691,3 +691,25 @@ def kl_penalty(
     else:
         kl = (torch.exp(log_r) - 1.0) - log_r
     return _masked_sum(_weighted(kl, token_weights, m), m)
+
+
+def entropy_bonus(entropy: Tensor, mask: Tensor, *, token_weights: Tensor | None = None) -> Tensor:
+    """The entropy bonus's sum ``sum_t w_t * H_t`` over the counted tokens, to be subtracted from
+    the policy loss as ``coef * entropy_bonus / denominator`` (aggregated like the loss: same
+    token weights and denominator; PPO's entropy bonus, arXiv 1707.06347 eq. 9; AsyPPO removes
+    tokens from it through ``token_weights``, MISSION.md section 4).
+
+    Args:
+        entropy: ``[B, T]`` per-token entropy of the policy (nats), with gradient.
+        mask: ``[B, T]`` bool or numeric; non-zero for tokens that count.
+        token_weights: Optional ``[B, T]`` detached weights (aggregation, masking); None = 1.
+
+    Returns:
+        Scalar tensor: the weighted sum (nats); 0 for an all-masked input.
+
+    Raises:
+        ValueError: a tensor is not ``[B, T]`` like ``mask`` or not floating.
+    """
+    m = _check_token_tensors(mask, entropy=entropy)
+    e = torch.where(m, entropy.to(_compute_dtype(entropy)), torch.zeros((), dtype=_compute_dtype(entropy)))
+    return _weighted(e, token_weights, m).sum()

@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
-from conveyor.config import LossConfig, ProximalConfig, TrainerConfig
+from conveyor.config import CriticConfig, LossConfig, ProximalConfig, TrainerConfig
 from conveyor.faults import fault_point
 from conveyor.hardware import resolve_bf16
 from conveyor.memory import release_free_memory, set_malloc_mmap_threshold
 from conveyor.sync import WeightUpdate
 from conveyor.trainer import advantages as adv_lib
 from conveyor.trainer import corrections as corr_lib
+from conveyor.trainer import critic as critic_lib
+from conveyor.trainer import gae as gae_lib
 from conveyor.trainer import losses as loss_lib
 from conveyor.trainer.batch import (
     PackedBatch,
@@ -33,7 +35,9 @@ from conveyor.trainer.batch import (
     unit_members,
 )
 from conveyor.trainer.logprobs import token_logprobs
+from conveyor.trainer.objectives import ObjectiveInputs, get_objective
 from conveyor.trainer.proximal import build_strategy
+from conveyor.trainer.updater import Updater
 from conveyor.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -86,8 +90,68 @@ def staleness_metrics(trajectories: list[Trajectory], version: int) -> dict[str,
     }
 
 
+@dataclass
+class StepBatch:
+    """One step's batch after :meth:`Trainer.pack`.
+
+    Attributes:
+        trajectories: The ``N`` trajectories of the step.
+        micro_batches: Packed micro-batches covering them (``PackedBatch.indices`` map back).
+        token_weights: Per micro-batch ``[R, L]`` aggregation weights (``loss.aggregation``).
+        denominators: Per micro-batch share of the loss's normaliser (tokens or sequences).
+        sequence_advantages: ``[N]`` scalar advantage per trajectory (outcome estimators), set by
+            :meth:`Trainer.assign_advantages`.
+    """
+
+    trajectories: list[Trajectory]
+    micro_batches: list[PackedBatch]
+    token_weights: list[torch.Tensor]
+    denominators: list[float]
+    sequence_advantages: torch.Tensor | None = None
+
+
+@dataclass
+class Scores:
+    """What :meth:`Trainer.score` computed before the update, one entry per micro-batch (None
+    where not needed or not yet computed); all ``[R, L]`` and detached.
+
+    Attributes:
+        proximal: ``log pi_prox`` of each target token (objectives that need it).
+        reference: ``log pi_ref`` (the KL penalty's reference policy).
+        entropy: Per-token entropy of the policy (nats), filled by whichever forward pass computes
+            it first.
+        values: The critic's values ``V`` before its update (``loss.advantage=gae``), on every
+            response token (actions and observations).
+        returns: The critic's regression targets, set with the advantages (GAE with the critic's
+            lambda; :mod:`conveyor.trainer.gae`).
+    """
+
+    proximal: list[torch.Tensor | None]
+    reference: list[torch.Tensor | None]
+    entropy: list[torch.Tensor | None]
+    values: list[torch.Tensor | None] = field(default_factory=list)
+    returns: list[torch.Tensor | None] = field(default_factory=list)
+    value_seconds: float = 0.0
+
+
+@dataclass
+class PolicyUpdate:
+    """What :meth:`Trainer.policy_update` did: loss outputs per micro-batch, gradient norms per
+    optimiser step, the KL sum (nats, over tokens), rejection / correction statistics, whether it
+    stopped on a non-finite value, and the seconds its proximal strategy spent."""
+
+    outputs: list[loss_lib.LossOutput] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    kl_sum: float = 0.0
+    extra: dict[str, list[float]] = field(default_factory=dict)
+    skipped: bool = False
+    proximal_seconds: float = 0.0
+    entropy_sum: float = 0.0
+
+
 class Trainer:
-    """Owns the policy's parameters, the optimizer and the scheduler.
+    """Owns the policy's parameters and the updaters that train them (:attr:`updaters`: the
+    policy's optimizer and schedule; :class:`~conveyor.trainer.updater.Updater`).
 
     Args:
         model: The policy (a transformers causal LM, fp32 parameters).
@@ -97,13 +161,15 @@ class Trainer:
         proximal_cfg: Where the old log-probs come from (``proximal.method``; default recompute).
         eta: The staleness bound (snapshot window, auto choice).
         max_new_tokens: Default constant of ``loss.aggregation = constant`` (tokens).
+        critic_cfg: The value model's settings, used when ``loss_cfg.advantage == "gae"``
+            (default :class:`~conveyor.config.CriticConfig`).
 
     The trainer never shares its parameters: :meth:`weight_update` returns copies.
     """
 
     def __init__(self, model: torch.nn.Module, trainer_cfg: TrainerConfig, loss_cfg: LossConfig, *, temperature: float = 1.0,
                  version: int = 0, proximal_cfg: ProximalConfig | None = None, eta: int | None = None,
-                 max_new_tokens: int | None = None):
+                 max_new_tokens: int | None = None, critic_cfg: CriticConfig | None = None):
         self.model = model
         self.cfg = trainer_cfg
         # bf16 autocast where the hardware makes it faster (trainer.bf16=auto, conveyor.hardware)
@@ -143,28 +209,68 @@ class Trainer:
             log.info("trainer.share_prompts: %s attention takes no 4-D mask; responses are packed separately", attn)
         if trainer_cfg.malloc_mmap_threshold is not None:
             set_malloc_mmap_threshold(trainer_cfg.malloc_mmap_threshold)
-        params = [p for p in model.parameters() if p.requires_grad]
         # fused: one kernel per parameter, no multi-tensor temporaries (0.1 s vs 0.9 s for the
         # for-loop path on SmolLM2, 2 CPU threads; docs/results/performance.md)
-        fused = trainer_cfg.use_fused_optimizer
-        self.optimizer = torch.optim.AdamW(params, lr=trainer_cfg.lr, betas=trainer_cfg.betas, weight_decay=trainer_cfg.weight_decay,
-                                           foreach=None if fused else trainer_cfg.optimizer_foreach, fused=fused or None)
         if trainer_cfg.activation_checkpointing:
             if not hasattr(model, "gradient_checkpointing_enable"):
                 raise ValueError("trainer.activation_checkpointing needs a transformers model (gradient_checkpointing_enable)")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        total = max(1, trainer_cfg.total_steps * trainer_cfg.minibatches)
-        warm = trainer_cfg.warmup_steps * trainer_cfg.minibatches
+        self.policy = Updater.adamw(
+            "policy", model, lr=trainer_cfg.lr, betas=trainer_cfg.betas, weight_decay=trainer_cfg.weight_decay,
+            grad_clip=trainer_cfg.grad_clip, total_steps=trainer_cfg.total_steps * trainer_cfg.minibatches,
+            warmup_steps=trainer_cfg.warmup_steps * trainer_cfg.minibatches, schedule=trainer_cfg.schedule,
+            fused=trainer_cfg.use_fused_optimizer, foreach=trainer_cfg.optimizer_foreach,
+        )
+        self.updaters: list[Updater] = [self.policy]
+        self.objective = get_objective(loss_cfg.name)
+        self.baseline = gae_lib.SlidingWindowBaseline(loss_cfg.baseline_window) if loss_cfg.advantage == "sliding_window" else None
+        # the critic (MISSION.md section 3): its own model and updater; K updates per policy update
+        self.critic_cfg = critic_cfg or CriticConfig()
+        self.critic: critic_lib.ValueModel | None = None
+        self.critic_updater: Updater | None = None
+        self.critic_warmup_done = 0  # critic-only steps taken before RL (critic.warmup_steps)
+        self.critic_note = ""
+        if loss_cfg.advantage == "gae":
+            cc = self.critic_cfg
+            self.critic = critic_lib.build_value_model(model, cc.backbone, seed=0)
+            frozen = critic_lib.freeze_attention(self.critic) if cc.freeze_attention else 0
+            k = cc.updates_per_step
+            self.critic_updater = Updater.adamw(
+                "critic", self.critic, lr=cc.lr, betas=cc.betas, weight_decay=cc.weight_decay, grad_clip=cc.grad_clip,
+                total_steps=(trainer_cfg.total_steps + cc.warmup_steps) * k, fused=trainer_cfg.use_fused_optimizer,
+                foreach=trainer_cfg.optimizer_foreach,
+            )
+            self.updaters.append(self.critic_updater)
+            counts = critic_lib.param_count_by_kind(self.critic)
+            self.critic_note = (f"critic: backbone {cc.backbone} ({sum(counts.values()):,} parameters, "
+                                f"{frozen:,} of them in frozen attention), K = {k} updates per policy update")
+            log.info(self.critic_note)
 
-        def lr_lambda(step: int) -> float:
-            if warm > 0 and step < warm:
-                return (step + 1) / warm
-            if trainer_cfg.schedule == "cosine":
-                prog = min(1.0, (step - warm) / max(1, total - warm))
-                return 0.5 * (1.0 + math.cos(math.pi * prog))
-            return 1.0
+    @property
+    def in_critic_warmup(self) -> bool:
+        """Whether critic-only warm-up steps remain (``critic.warmup_steps``; the policy waits at
+        version 0 until they are done)."""
+        return self.critic is not None and self.critic_warmup_done < self.critic_cfg.warmup_steps
 
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
+    @property
+    def log_step(self) -> int:
+        """The step the run's logs key the latest row by: the policy version, or ``k - W`` after
+        critic warm-up step ``k`` of ``W`` (so warm-up rows are at steps ``1 - W .. 0``, before
+        the first policy update at step 1, and a resume supersedes what came after its
+        checkpoint with one rule)."""
+        if self.critic is not None and self.version == 0:
+            return self.critic_warmup_done - self.critic_cfg.warmup_steps
+        return self.version
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The policy's optimizer."""
+        return self.policy.optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        """The policy's learning-rate schedule."""
+        return self.policy.scheduler
 
     # ------------------------------------------------------------------ helpers
     def _autocast(self):
@@ -175,13 +281,24 @@ class Trainer:
             return nullcontext()
         return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=self.cfg.use_autocast_weight_cache)
 
-    def _logprobs(self, model, mb: PackedBatch, with_entropy: bool = False):
+    def _trim(self) -> None:
+        if self.cfg.malloc_trim:
+            release_free_memory()
+
+    def _logprobs(self, model, mb: PackedBatch, with_entropy: bool = False, entropy_grad: bool = False):
         with self._autocast():
             return token_logprobs(
                 model, mb.input_ids, mb.position_ids, mb.targets, temperature=self.temperature,
                 chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy, mask=mb.mask,
                 attention_mask=mb.attention_mask, support=mb.support,  # sampling-mask replay
+                entropy_grad=entropy_grad,
             )
+
+    def _values(self, mb: PackedBatch, mask: torch.Tensor) -> torch.Tensor:
+        """The critic's values ``[R, L]`` (float32) at the positions where ``mask`` > 0."""
+        with self._autocast():
+            return critic_lib.token_values(self.critic, mb.input_ids, mb.position_ids, mask=mask,
+                                           attention_mask=mb.attention_mask)
 
     def weight_update(self) -> WeightUpdate:
         """The current parameters as a :class:`WeightUpdate` stamped with :attr:`version`."""
@@ -190,6 +307,12 @@ class Trainer:
     # ------------------------------------------------------------------ the update
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One policy update on a batch of trajectories; increments :attr:`version` by one.
+
+        The recipe, one method per phase: :meth:`pack` (micro-batches by token budget) ->
+        :meth:`score` (everything computed with the parameters before the update: proximal and
+        reference log-probs, the critic's values) -> :meth:`assign_advantages` (per token) ->
+        :meth:`policy_update` (one optimiser step per minibatch) -> :meth:`critic_update` (K
+        critic steps, ``loss.advantage=gae``) -> :meth:`step_metrics`.
 
         A step whose loss or gradient norm is non-finite is skipped (no optimizer step, logged,
         ``train/skipped_nonfinite`` = 1) and still counts as a version, so the staleness
@@ -206,114 +329,298 @@ class Trainer:
         if not trajectories:
             raise ValueError("train_step: empty batch")
         t0 = time.perf_counter()
-        cfg, lc = self.cfg, self.loss_cfg
-        trim = release_free_memory if cfg.malloc_trim else (lambda: None)
-        self.optimizer.zero_grad(set_to_none=True)  # the previous step's gradients are not needed any more
-        trim()
+        self.policy.zero_grad()  # the previous step's gradients are not needed any more
+        self._trim()
         self.model.train()
         metrics: dict[str, float] = staleness_metrics(trajectories, self.version)
-        advantages = compute_advantages(trajectories, lc.advantage)
+        batch = self.pack(trajectories)
+        t_prox = time.perf_counter()
+        scores = self.score(batch)
+        metrics["time/proximal_s"] = time.perf_counter() - t_prox - scores.value_seconds
+        self.assign_advantages(batch, scores)
+        update = self.policy_update(batch, scores, window=int(metrics["staleness/max"]))
+        metrics["time/proximal_s"] += update.proximal_seconds
+        self.model.eval()
+        if self.critic is not None:
+            t_critic = time.perf_counter()
+            metrics.update(self.critic_update(batch, scores))
+            # the K updates and the pre-update value forward of the score phase
+            metrics["time/critic_s"] = time.perf_counter() - t_critic + scores.value_seconds
+            metrics["time/critic_values_s"] = scores.value_seconds
+        self.version += 1
+        stop = self._count_nonfinite(update.skipped)
+        metrics.update(self.step_metrics(batch, scores, update))
+        t_after = time.perf_counter()
+        st = self.proximal.after_update(self.model, self.version, metrics)
+        metrics.update(st.values)
+        self.events.extend(st.events)
+        metrics["time/proximal_s"] += time.perf_counter() - t_after  # snapshot copy / EWMA update
+        metrics["proximal/extra_bytes"] = float(self.proximal.extra_bytes())
+        metrics["time/train_step_s"] = time.perf_counter() - t0
+        metrics["train/tokens_per_s"] = metrics["train/tokens"] / metrics["time/train_step_s"]
+        if stop is not None:
+            stop.metrics = metrics
+            raise stop
+        return metrics
+
+    # ------------------------------------------------------------------ phases
+    def pack(self, trajectories: list[Trajectory]) -> StepBatch:
+        """Phase 1: the batch as packed micro-batches (advantages still 0) with their loss
+        aggregation weights (``loss.aggregation``)."""
+        cfg, lc = self.cfg, self.loss_cfg
         if cfg.share_prompts and self._mask_capable:  # a group's prompt once per row (batch.py, "Shared prompts")
             units = group_shared_prompts(trajectories, min(cfg.pack_row_tokens, cfg.micro_batch_tokens))
         else:
             units = list(range(len(trajectories)))
         lengths = [unit_length([trajectories[i] for i in unit_members(u)]) for u in units]
         plan = plan_micro_batches(lengths, cfg.micro_batch_tokens, cfg.pack_row_tokens)
-        mbs = [pack(trajectories, advantages, [[units[k] for k in row] for row in rows]) for rows in plan]
+        zeros = torch.zeros(len(trajectories))
+        mbs = [pack(trajectories, zeros, [[units[k] for k in row] for row in rows]) for rows in plan]
+        aggs = [corr_lib.aggregation_weights(mb.mask, lc.aggregation, seq_index=mb.seq_index, constant=self.aggregation_constant)
+                for mb in mbs]
+        return StepBatch(trajectories, mbs, [a[0] for a in aggs], [a[1] for a in aggs])
 
-        # proximal log-probs: the parameters just before the update (AReaL eq. 5)
-        prox: list[torch.Tensor | None] = [None] * len(mbs)
-        ents: list[torch.Tensor | None] = [None] * len(mbs)
-        refs: list[torch.Tensor | None] = [None] * len(mbs)
-        t_prox = time.perf_counter()
+    def score(self, batch: StepBatch) -> Scores:
+        """Phase 2: what the update needs from the parameters before it (no gradient):
+        proximal log-probs (the objective's choice, ``proximal.method``; AReaL eq. 5) and the
+        reference policy's log-probs (``loss.kl_coef > 0``)."""
+        n = len(batch.micro_batches)
+        scores = Scores([None] * n, [None] * n, [None] * n, [None] * n, [None] * n)
         # With one optimizer step per batch the parameters before the update are the ones of the
         # gradient forward pass, so pi_prox = that pass's log-probs, detached: identical values
         # (same parameters, same kernels), one forward pass fewer. With several minibatches the
         # parameters move between optimizer steps, so a separate pass runs first.
-        reuse_forward = cfg.minibatches == 1 and not cfg.separate_proximal_pass
-        needs_prox = lc.name in ("decoupled_ppo", "two_ratio")
+        reuse_forward = self.cfg.minibatches == 1 and not self.cfg.separate_proximal_pass
         with torch.no_grad():
-            for j, mb in enumerate(mbs):
-                if needs_prox:
-                    prox[j] = self.proximal.old_logprobs(self, mb)
-                    if prox[j] is None and not reuse_forward:
-                        cur, ents[j] = self._logprobs(self.model, mb, with_entropy=True)
-                        prox[j] = self.proximal.from_forward(cur, mb, self.version)
+            for j, mb in enumerate(batch.micro_batches):
+                if self.objective.needs_proximal:
+                    scores.proximal[j] = self.proximal.old_logprobs(self, mb)
+                    if scores.proximal[j] is None and not reuse_forward:
+                        cur, scores.entropy[j] = self._logprobs(self.model, mb, with_entropy=True)
+                        scores.proximal[j] = self.proximal.from_forward(cur, mb, self.version)
                 if self.ref_model is not None:
-                    refs[j], _ = self._logprobs(self.ref_model, mb)
-        metrics["time/proximal_s"] = time.perf_counter() - t_prox
-        extra: dict[str, list[float]] = {}
+                    scores.reference[j], _ = self._logprobs(self.ref_model, mb)
+                if self.critic is not None:
+                    t_v = time.perf_counter()
+                    scores.values[j] = self._values(mb, mask=(mb.response_index >= 0).float())
+                    scores.value_seconds += time.perf_counter() - t_v
+        return scores
 
-        # minibatches: each is one optimizer step; the loss is a token-mean over the minibatch
+    def score_values(self, batch: StepBatch) -> Scores:
+        """Phase 2 for a critic-only step (:meth:`critic_warmup_step`): the critic's values only."""
+        n = len(batch.micro_batches)
+        scores = Scores([None] * n, [None] * n, [None] * n, [None] * n, [None] * n)
+        with torch.no_grad():
+            for j, mb in enumerate(batch.micro_batches):
+                scores.values[j] = self._values(mb, mask=(mb.response_index >= 0).float())
+        return scores
+
+    def assign_advantages(self, batch: StepBatch, scores: Scores) -> None:
+        """Phase 3: per-token advantages into each micro-batch's ``advantages`` (``loss.advantage``).
+
+        Outcome estimators (grpo, dr_grpo, reinforce, sliding_window) give one scalar per
+        trajectory, broadcast over its action tokens; ``gae`` runs token-level GAE per trajectory
+        on the critic's values (:meth:`_gae`), which also sets ``scores.returns``.
+        """
+        lc = self.loss_cfg
+        if lc.advantage == "gae":
+            self._gae(batch, scores)
+            return
+        if lc.advantage == "sliding_window":
+            adv = self.baseline.advantages(torch.tensor([t.reward for t in batch.trajectories], dtype=torch.float32))
+        else:
+            adv = compute_advantages(batch.trajectories, lc.advantage)
+        batch.sequence_advantages = adv
+        for mb in batch.micro_batches:
+            idx = torch.tensor(mb.indices, dtype=torch.long)
+            per_pos = adv[idx][mb.seq_index.clamp(min=0)]
+            mb.advantages = per_pos * mb.mask
+
+    def _gae(self, batch: StepBatch, scores: Scores) -> None:
+        """Token-level GAE on every micro-batch (MISSION.md section 3; :mod:`conveyor.trainer.gae`).
+
+        Each trajectory's response is laid out as one row ``[S, R_max]`` (``response_index``):
+        the outcome reward on its last action token, the pre-update values, its action mask
+        (observation tokens 0). Advantages use the policy lambda (fixed, or length-adaptive
+        ``1 - 1 / (alpha * l)``, l = action tokens), returns the critic lambda (VAPO's decoupled
+        GAE); with ``critic.values=turn`` one value per action segment instead. Optional
+        whitening over the batch's action tokens (``critic.whiten_advantages``).
+        """
+        cc = self.critic_cfg
+        seq_adv = torch.zeros(len(batch.trajectories))
+        for j, mb in enumerate(batch.micro_batches):
+            pos = (mb.response_index >= 0).reshape(-1).nonzero().squeeze(-1)
+            s_idx = mb.seq_index.reshape(-1)[pos]
+            k_idx = mb.response_index.reshape(-1)[pos]
+            S = len(mb.indices)
+            T = int(k_idx.max()) + 1 if k_idx.numel() else 1
+            action = torch.zeros(S, T)
+            action[s_idx, k_idx] = mb.mask.reshape(-1)[pos]
+            valid = torch.zeros(S, T)
+            valid[s_idx, k_idx] = 1.0
+            values = torch.zeros(S, T)
+            values[s_idx, k_idx] = scores.values[j].reshape(-1)[pos]
+            rewards = torch.zeros(S, T)
+            n_act = action.sum(-1)
+            has = n_act > 0
+            last = (action * torch.arange(1, T + 1)).argmax(-1)  # last action token of each row
+            r = torch.tensor([float(batch.trajectories[i].reward) for i in mb.indices])
+            rewards[has.nonzero().squeeze(-1), last[has]] = r[has]
+            policy_lam = (gae_lib.adaptive_lambda(n_act, cc.lam_alpha) if cc.policy_lam == "adaptive"
+                          else float(cc.policy_lam))
+            if cc.values == "turn":
+                adv, _ = gae_lib.turn_level_gae(rewards, values, action, gamma=cc.gamma, lam=policy_lam)
+                _, ret = gae_lib.turn_level_gae(rewards, values, action, gamma=cc.gamma, lam=cc.lam)
+            else:
+                adv, ret = gae_lib.decoupled_gae(rewards, values, action, gamma=cc.gamma, policy_lam=policy_lam,
+                                                 critic_lam=cc.lam, skip_observations=cc.skip_observations,
+                                                 valid_mask=valid)
+            flat_adv = torch.zeros(mb.mask.numel())
+            flat_adv[pos] = adv[s_idx, k_idx]
+            flat_ret = torch.zeros(mb.mask.numel())
+            flat_ret[pos] = ret[s_idx, k_idx]
+            mb.advantages = flat_adv.reshape(mb.mask.shape) * mb.mask
+            scores.returns[j] = flat_ret.reshape(mb.mask.shape) * mb.mask
+            idx = torch.tensor(mb.indices, dtype=torch.long)
+            seq_adv[idx] = (adv * action).sum(-1) / n_act.clamp(min=1)
+        if cc.whiten_advantages:
+            flat = torch.cat([mb.advantages[mb.mask > 0] for mb in batch.micro_batches])
+            if flat.numel() > 1:
+                mean, std = flat.mean(), flat.std(unbiased=False)
+                for mb in batch.micro_batches:
+                    mb.advantages = (mb.advantages - mean) / (std + 1e-8) * mb.mask
+        batch.sequence_advantages = seq_adv
+
+    def critic_update(self, batch: StepBatch, scores: Scores) -> dict[str, float]:
+        """Phase 5 (``loss.advantage=gae``): ``critic.updates_per_step`` (K) optimiser steps of the
+        critic on the returns computed once with the pre-update critic (SAO, MISSION.md section 3),
+        each over the whole batch: ``0.5 (V - R)^2``, a token-mean over action tokens (observation
+        tokens carry no value loss), optionally clipped around the pre-update values.
+
+        Returns:
+            ``critic/*`` metrics: value loss of the first and last update, explained variance of
+            the pre-update critic, value / return means, clip fraction, gradient norm per block
+            kind (attention, mlp, other; before clipping, mean over the K updates), lr, steps.
+            An update with a non-finite loss or gradient norm is skipped and counted.
+        """
+        cc, up = self.critic_cfg, self.critic_updater
+        mbs = batch.micro_batches
+        denom = sum(float(mb.mask.sum()) for mb in mbs)
+        metrics: dict[str, float] = {}
+        if denom == 0:
+            return metrics
+        self.critic.train()
+        kinds: dict[str, float] = {"attention": 0.0, "mlp": 0.0, "other": 0.0}
+        losses, skipped, norms = [], 0, []
+        first = None
+        for _ in range(cc.updates_per_step):
+            up.zero_grad()
+            outs = []
+            finite = True
+            for j, mb in enumerate(mbs):
+                v = self._values(mb, mask=mb.mask)
+                out = critic_lib.value_loss(v, scores.returns[j], mb.mask, old_values=scores.values[j] * mb.mask,
+                                            clip=cc.value_clip)
+                loss = out.loss_sum / denom
+                if not torch.isfinite(loss):
+                    finite = False
+                    break
+                loss.backward()
+                outs.append(out)
+                del loss, v
+                self._trim()
+            if finite:
+                for name, g in critic_lib.grad_norm_by_kind(self.critic).items():
+                    kinds[name] += g / cc.updates_per_step
+            gn = up.clip_grad_norm()
+            if not finite or not torch.isfinite(gn):
+                up.zero_grad()
+                skipped += 1
+                continue
+            norms.append(float(gn))
+            up.step()
+            vm = critic_lib.value_metrics(outs)
+            losses.append(vm["loss"])
+            if first is None:
+                first = vm
+        self.critic.eval()
+        if first is not None:
+            metrics.update({
+                "critic/value_loss": first["loss"], "critic/value_loss_last": losses[-1],
+                "critic/explained_variance": first["explained_variance"], "critic/value_mean": first["value_mean"],
+                "critic/return_mean": first["return_mean"], "critic/clip_frac": first.get("clip_frac", 0.0),
+            })
+        metrics.update({f"critic/grad_norm_{name}": g for name, g in kinds.items()})
+        metrics.update({
+            "critic/grad_norm": sum(norms) / len(norms) if norms else float("nan"),
+            "critic/lr": up.lr, "critic/updates": float(len(norms)), "critic/skipped_nonfinite": float(skipped),
+        })
+        return metrics
+
+    def critic_warmup_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """One critic-only step before RL (``critic.warmup_steps``; SAO's cold start, MISSION.md
+        section 3): values, GAE returns and K critic updates on rollouts of the frozen initial
+        policy. The policy, its optimizer and :attr:`version` are untouched;
+        :attr:`critic_warmup_done` counts the step.
+
+        Raises:
+            ValueError: empty batch, or no critic (``loss.advantage`` is not ``gae``).
+        """
+        if self.critic is None:
+            raise ValueError("critic_warmup_step: no critic (loss.advantage must be gae)")
+        if not trajectories:
+            raise ValueError("critic_warmup_step: empty batch")
+        t0 = time.perf_counter()
+        batch = self.pack(trajectories)
+        scores = self.score_values(batch)
+        self._gae(batch, scores)
+        metrics = self.critic_update(batch, scores)
+        self.critic_warmup_done += 1
+        rewards = torch.tensor([t.reward for t in trajectories])
+        metrics.update({"reward/mean": float(rewards.mean()), "train/tokens": float(sum(mb.num_tokens for mb in batch.micro_batches)),
+                        "time/critic_warmup_step_s": time.perf_counter() - t0})
+        return metrics
+
+    def policy_update(self, batch: StepBatch, scores: Scores, *, window: int) -> PolicyUpdate:
+        """Phase 4: the policy's optimiser steps, one per minibatch (micro-batches ``k::n``), each
+        with the loss normalised by the minibatch's aggregation denominator (exact across
+        micro-batches). Stops at the first non-finite loss or gradient norm (no step taken for
+        that minibatch; ``skipped``).
+
+        Args:
+            window: The batch's largest staleness (versions), the proximal strategy's window.
+        """
+        cfg, lc = self.cfg, self.loss_cfg
+        mbs = batch.micro_batches
         n_mini = min(cfg.minibatches, len(mbs))
         groups = [list(range(len(mbs)))[k::n_mini] for k in range(n_mini)]
-        outs: list[loss_lib.LossOutput] = []
-        kl_sum = 0.0
-        ent_sum = 0.0
-        grad_norms = []
-        skipped = False
-        aggs = [corr_lib.aggregation_weights(mb.mask, lc.aggregation, seq_index=mb.seq_index, constant=self.aggregation_constant)
-                for mb in mbs]
+        up = PolicyUpdate()
         poison = fault_point("loss")  # chaos suite: a non-finite loss injected in this step
         for grp in groups:
-            denom = sum(aggs[j][1] for j in grp)
+            denom = sum(batch.denominators[j] for j in grp)
             if denom == 0:
                 continue
-            self.optimizer.zero_grad(set_to_none=True)
+            self.policy.zero_grad()
             finite = True
             for j in grp:
                 mb = mbs[j]
-                lp, ent = self._logprobs(self.model, mb, with_entropy=ents[j] is None)
-                if ents[j] is None:
-                    ents[j] = ent
-                tw = aggs[j][0]
-                bw = None
-                if needs_prox:
-                    if prox[j] is None:
-                        prox[j] = self.proximal.from_forward(lp.detach(), mb, self.version)
-                    keep, rstats = corr_lib.rejection_stats(prox[j], mb.behaviour_logprobs, mb.mask, seq_index=mb.seq_index,
-                                                            reject=lc.kl_reject, threshold=lc.kl_reject_threshold)
-                    if lc.kl_reject is not None:
-                        tw = tw * keep
-                    for k, v in rstats.items():
-                        extra.setdefault(k, []).append(v)
-                    if lc.correction is not None and lc.name == "decoupled_ppo":
-                        bw, cstats = corr_lib.mismatch_weights(
-                            prox[j], mb.behaviour_logprobs, mb.mask, method=lc.correction, cap=lc.correction_cap,
-                            low=lc.correction_low, high=lc.correction_high, seq_index=mb.seq_index)
-                        for k, v in cstats.items():
-                            extra.setdefault(k, []).append(v)
-                if lc.name == "decoupled_ppo":
-                    out = loss_lib.decoupled_ppo_loss(
-                        lp, prox[j], mb.behaviour_logprobs, mb.advantages, mb.mask,
-                        eps_low=lc.eps_low, eps_high=lc.eps_high, dual_clip=lc.dual_clip,
-                        behaviour_weight_cap=lc.behaviour_weight_cap, cap_mode=lc.behaviour_weight_cap_mode,
-                        token_weights=tw, behaviour_weights=bw,
-                    )
-                elif lc.name == "two_ratio":
-                    out = loss_lib.two_ratio_loss(
-                        lp, prox[j], mb.behaviour_logprobs, mb.advantages, mb.mask,
-                        discrepancy_low=lc.discrepancy_low, discrepancy_high=lc.discrepancy_high,
-                        eps_low=lc.eps_low, eps_high=lc.eps_high, dual_clip=lc.dual_clip, token_weights=tw,
-                    )
-                elif lc.name == "dis":
-                    out = loss_lib.dis_loss(
-                        lp, mb.behaviour_logprobs, mb.advantages, mb.mask,
-                        eps_low=self.dis_eps[0], eps_high=self.dis_eps[1], token_weights=tw,
-                    )
-                else:
-                    out = loss_lib.ppo_clip_loss(
-                        lp, mb.behaviour_logprobs, mb.advantages, mb.mask,
-                        eps_low=lc.eps_low, eps_high=lc.eps_high, dual_clip=lc.dual_clip, token_weights=tw,
-                    )
+                bonus = lc.entropy_coef > 0
+                lp, ent = self._logprobs(self.model, mb, with_entropy=bonus or scores.entropy[j] is None,
+                                         **({"entropy_grad": True} if bonus else {}))
+                if scores.entropy[j] is None:
+                    scores.entropy[j] = ent.detach()
+                inputs = self._objective_inputs(mb, lp, scores, j, batch.token_weights[j], up.extra)
+                out = self.objective.loss(inputs, lc, self.dis_eps)
                 loss = out.loss_sum
-                if refs[j] is not None:
+                if bonus:  # aggregated like the loss (its token weights and denominator)
+                    loss = loss - lc.entropy_coef * loss_lib.entropy_bonus(ent, mb.mask, token_weights=batch.token_weights[j])
+                if scores.reference[j] is not None:
                     # aggregated like the policy loss (loss.aggregation's weights and denominator;
                     # verl agg_loss on the KL term); not masked by loss.kl_reject (verl drops
                     # rejected tokens from its mask altogether); train/kl_ref: per-token mean
-                    kl = loss_lib.kl_penalty(lp, refs[j], mb.mask, kind="k3",
-                                             token_weights=aggs[j][0])
-                    kl_sum += float(loss_lib.kl_penalty(lp.detach(), refs[j], mb.mask, kind="k3"))
+                    ref = scores.reference[j]
+                    kl = loss_lib.kl_penalty(lp, ref, mb.mask, kind="k3", token_weights=batch.token_weights[j])
+                    up.kl_sum += float(loss_lib.kl_penalty(lp.detach(), ref, mb.mask, kind="k3"))
                     loss = loss + lc.kl_coef * kl
                 loss = loss / denom  # exact global normalisation over the minibatch (loss.aggregation)
                 if poison:
@@ -323,75 +630,102 @@ class Trainer:
                     break
                 loss.backward()
                 del loss, lp
-                trim()  # this micro-batch's activations are freed
-                outs.append(out)
-            gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf"))
+                self._trim()  # this micro-batch's activations are freed
+                up.outputs.append(out)
+            gn = self.policy.clip_grad_norm()
             if not finite or not torch.isfinite(gn):
-                self.optimizer.zero_grad(set_to_none=True)
-                skipped = True
+                self.policy.zero_grad()
+                up.skipped = True
                 break
-            grad_norms.append(float(gn))
+            up.grad_norms.append(float(gn))
             fault_point("train_step")  # chaos suite: a kill inside a train step
-            self.optimizer.step()
-            self.scheduler.step()
+            self.policy.step()
             # per-optimiser-step proximal state (the EWMA); window: the batch's version window in
             # optimiser steps (MISSION.md section 2)
             t_ew = time.perf_counter()
-            self.proximal.on_optimizer_step(self.model, int(metrics["staleness/max"]) * n_mini)
-            metrics["time/proximal_s"] += time.perf_counter() - t_ew
-        self.model.eval()
+            self.proximal.on_optimizer_step(self.model, window * n_mini)
+            up.proximal_seconds += time.perf_counter() - t_ew
+        return up
 
-        self.version += 1
-        stop: NonFiniteLossError | None = None
-        if skipped:
-            self.nonfinite_in_a_row += 1
-            log.warning("step %d: non-finite loss or gradient norm, update skipped (%d in a row)", self.version, self.nonfinite_in_a_row)
-            if self.nonfinite_in_a_row >= cfg.max_nonfinite_in_a_row:
-                stop = NonFiniteLossError(  # raised with this step's metrics, below
-                    f"{self.nonfinite_in_a_row} consecutive steps had a non-finite loss or gradient "
-                    f"norm (trainer.max_nonfinite_in_a_row={cfg.max_nonfinite_in_a_row}); stopping. "
-                    "Lower trainer.lr or check the rewards."
-                )
-        else:
+    def _objective_inputs(self, mb: PackedBatch, lp: torch.Tensor, scores: Scores, j: int,
+                          token_weights: torch.Tensor, extra: dict[str, list[float]]) -> ObjectiveInputs:
+        """The objective's inputs for micro-batch ``j``: the proximal log-probs (from this forward
+        pass where the strategy derives them from it), the rejection mask (``loss.kl_reject``)
+        folded into the token weights, and the mismatch weights (``loss.correction``); their
+        statistics go to ``extra``."""
+        lc = self.loss_cfg
+        tw, bw = token_weights, None
+        if self.objective.needs_proximal:
+            if scores.proximal[j] is None:
+                scores.proximal[j] = self.proximal.from_forward(lp.detach(), mb, self.version)
+            prox = scores.proximal[j]
+            keep, rstats = corr_lib.rejection_stats(prox, mb.behaviour_logprobs, mb.mask, seq_index=mb.seq_index,
+                                                    reject=lc.kl_reject, threshold=lc.kl_reject_threshold)
+            if lc.kl_reject is not None:
+                tw = tw * keep
+            for k, v in rstats.items():
+                extra.setdefault(k, []).append(v)
+            if lc.correction is not None and self.objective.takes_correction:
+                bw, cstats = corr_lib.mismatch_weights(
+                    prox, mb.behaviour_logprobs, mb.mask, method=lc.correction, cap=lc.correction_cap,
+                    low=lc.correction_low, high=lc.correction_high, seq_index=mb.seq_index)
+                for k, v in cstats.items():
+                    extra.setdefault(k, []).append(v)
+        return ObjectiveInputs(current=lp, behaviour=mb.behaviour_logprobs, advantages=mb.advantages, mask=mb.mask,
+                               proximal=scores.proximal[j], token_weights=tw, behaviour_weights=bw)
+
+    def _count_nonfinite(self, skipped: bool) -> NonFiniteLossError | None:
+        """Count a skipped step; the error to raise (after the step's metrics are logged) once
+        ``trainer.max_nonfinite_in_a_row`` steps in a row were skipped."""
+        if not skipped:
             self.nonfinite_in_a_row = 0
+            return None
+        self.nonfinite_in_a_row += 1
+        log.warning("step %d: non-finite loss or gradient norm, update skipped (%d in a row)", self.version, self.nonfinite_in_a_row)
+        if self.nonfinite_in_a_row < self.cfg.max_nonfinite_in_a_row:
+            return None
+        return NonFiniteLossError(
+            f"{self.nonfinite_in_a_row} consecutive steps had a non-finite loss or gradient "
+            f"norm (trainer.max_nonfinite_in_a_row={self.cfg.max_nonfinite_in_a_row}); stopping. "
+            "Lower trainer.lr or check the rewards."
+        )
+
+    def step_metrics(self, batch: StepBatch, scores: Scores, update: PolicyUpdate) -> dict[str, float]:
+        """Phase 5: the step's metrics (loss terms, grad norm, lr, tokens, entropy, KL, rewards)."""
+        metrics: dict[str, float] = {}
+        mbs = batch.micro_batches
         n_tok = sum(mb.num_tokens for mb in mbs)
+        ent_sum = 0.0
         for j, mb in enumerate(mbs):
-            if ents[j] is not None:
-                ent_sum += float((ents[j] * mb.mask).sum())
-        if outs:
-            metrics.update({f"loss/{k}": v for k, v in loss_lib.aggregate(outs).items()})
-        rewards = torch.tensor([t.reward for t in trajectories])
+            if scores.entropy[j] is not None:
+                ent_sum += float((scores.entropy[j] * mb.mask).sum())
+        if update.outputs:
+            metrics.update({f"loss/{k}": v for k, v in loss_lib.aggregate(update.outputs).items()})
+        rewards = torch.tensor([t.reward for t in batch.trajectories])
+        grad_norms = update.grad_norms
         metrics.update({
-            "train/skipped_nonfinite": float(skipped),
+            "train/skipped_nonfinite": float(update.skipped),
             "train/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
-            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/lr": self.policy.lr,
             "train/tokens": float(n_tok),
             "train/micro_batches": float(len(mbs)),
             "train/entropy": ent_sum / max(1, n_tok),
-            "train/kl_ref": kl_sum / max(1, n_tok),
-            "train/advantage_abs_mean": float(advantages.abs().mean()),
+            "train/kl_ref": update.kl_sum / max(1, n_tok),
+            "train/advantage_abs_mean": float(batch.sequence_advantages.abs().mean()),
+            **({"train/advantage_token_mean": float(sum(float(mb.advantages.sum()) for mb in mbs) / max(1, n_tok))}
+               if self.critic is not None else {}),
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std(unbiased=False)),
-            "time/train_step_s": time.perf_counter() - t0,
         })
-        for k, v in extra.items():
+        for k, v in update.extra.items():
             metrics[k] = sum(v) / len(v)
-        t_after = time.perf_counter()
-        st = self.proximal.after_update(self.model, self.version, metrics)
-        metrics.update(st.values)
-        self.events.extend(st.events)
-        metrics["time/proximal_s"] += time.perf_counter() - t_after  # snapshot copy / EWMA update
-        metrics["proximal/extra_bytes"] = float(self.proximal.extra_bytes())
-        metrics["time/train_step_s"] = time.perf_counter() - t0
-        metrics["train/tokens_per_s"] = n_tok / metrics["time/train_step_s"]
-        if stop is not None:
-            stop.metrics = metrics
-            raise stop
         return metrics
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
-        """Everything needed to continue exactly: model, optimizer, scheduler, version, counters."""
+        """Everything needed to continue exactly: model, optimizer, scheduler, version, counters;
+        the critic's model, optimizer, schedule and warm-up count (``loss.advantage=gae``); the
+        sliding-window baseline's history."""
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -399,6 +733,9 @@ class Trainer:
             "version": self.version,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "proximal": self.proximal.state_dict(),
+            **({"critic": self.critic_updater.state_dict(), "critic_warmup_done": self.critic_warmup_done}
+               if self.critic_updater is not None else {}),
+            **({"baseline": self.baseline.state_dict()} if self.baseline is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -410,3 +747,11 @@ class Trainer:
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
         self.proximal.load_state_dict(state.get("proximal", {}))
         self.proximal.on_load(self.model, self.version)
+        if self.critic_updater is not None:
+            if "critic" not in state:
+                raise ValueError("the checkpoint has no critic (it was written with loss.advantage != gae); "
+                                 "resume it with its own loss.advantage")
+            self.critic_updater.load_state_dict(state["critic"])
+            self.critic_warmup_done = int(state.get("critic_warmup_done", 0))
+        if self.baseline is not None and "baseline" in state:
+            self.baseline.load_state_dict(state["baseline"])

@@ -1,0 +1,109 @@
+"""The trainer as a recipe of phases (issue 11, section 1): the restructured ``train_step`` gives
+the losses, gradient norms and parameters the single-function trainer gave on fixed batches.
+
+``tests/data/trainer_before_phases.json`` was written by :func:`fingerprint` running the trainer
+of commit d90b11c (before the phases, the objective registry and the updaters); the restructured
+trainer gave bit-identical metrics and parameters on the machine that recorded it, and must stay
+within float32 rounding of them anywhere (kernels differ across CPUs).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_trainer import make_trajs
+
+from conveyor.config import LossConfig, ProximalConfig, TrainerConfig
+from conveyor.trainer.objectives import OBJECTIVES, ObjectiveInputs, get_objective
+from conveyor.trainer.trainer import Trainer
+from conveyor.trainer.updater import Updater, warmup_schedule
+
+GOLDEN = Path(__file__).parent / "data" / "trainer_before_phases.json"
+
+CASES = {
+    "decoupled": ({}, {}),
+    "ppo": ({"name": "ppo"}, {}),
+    "two_ratio_kl": ({"name": "two_ratio", "kl_coef": 0.1}, {}),
+    "dis": ({"name": "dis", "kl_coef": 0.0}, {}),
+    "decoupled_tis_reject_seqmean": ({"correction": "tis_token", "kl_reject": "k3", "aggregation": "seq_mean_token_mean"}, {}),
+    "mini2_shared": ({"kl_coef": 0.05}, {"minibatches": 2, "micro_batch_tokens": 64}),
+    "separate_pass": ({}, {"separate_proximal_pass": True}),
+    "noshare_dr": ({"advantage": "dr_grpo", "aggregation": "constant", "aggregation_constant": 20}, {"share_prompts": False}),
+    "reinforce_seqsum": ({"advantage": "reinforce", "aggregation": "seq_mean_token_sum"}, {}),
+}
+
+
+def fingerprint(model0: torch.nn.Module, loss_kw: dict, trainer_kw: dict) -> list[dict]:
+    """Two fp32 train steps on fixed batches: the metrics (no timings) and the parameters' L2
+    norm and sum after each."""
+    torch.manual_seed(0)
+    model = copy.deepcopy(model0)
+    tkw = {"bf16": False, "lr": 1e-3, "warmup_steps": 1, **trainer_kw}
+    tr = Trainer(model, TrainerConfig(**tkw), LossConfig(**loss_kw), temperature=0.9, proximal_cfg=ProximalConfig())
+    res = []
+    for step in range(2):
+        m = tr.train_step(make_trajs(n=8, group=4, seed=step, version=tr.version, shared_prompts=True))
+        flat = torch.cat([p.detach().double().reshape(-1) for p in model.parameters()])
+        res.append({
+            "metrics": {k: v for k, v in sorted(m.items()) if not k.startswith("time/") and k != "train/tokens_per_s"},
+            "param_norm": float(flat.norm()), "param_sum": float(flat.sum()), "version": tr.version,
+        })
+    return res
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_restructured_trainer_equals_the_single_function_trainer(tiny, case):
+    golden = json.loads(GOLDEN.read_text())[case]
+    got = fingerprint(tiny.model, *CASES[case])
+    for g, w in zip(got, golden, strict=True):
+        assert g["version"] == w["version"]
+        assert set(g["metrics"]) == set(w["metrics"])
+        for k, v in w["metrics"].items():
+            assert g["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6, nan_ok=True), (case, k)
+        assert g["param_norm"] == pytest.approx(w["param_norm"], rel=1e-6)
+        assert g["param_sum"] == pytest.approx(w["param_sum"], rel=1e-5, abs=1e-3)
+
+
+def test_every_loss_name_of_the_config_has_an_objective():
+    names = LossConfig.model_fields["name"].annotation.__args__
+    assert set(names) == set(OBJECTIVES)
+    assert [n for n in names if get_objective(n).needs_proximal] == ["decoupled_ppo", "two_ratio"]
+    with pytest.raises(ValueError, match="unknown objective 'nope'.*registered: decoupled_ppo, dis"):
+        get_objective("nope")
+
+
+def test_objective_without_its_proximal_input_is_a_clear_error():
+    x = torch.zeros(1, 3)
+    with pytest.raises(ValueError, match="loss.name=two_ratio needs proximal log-probs"):
+        get_objective("two_ratio").loss(ObjectiveInputs(x, x, x, torch.ones(1, 3)), LossConfig(), (0.3, 5.0))
+
+
+def test_updater_steps_only_its_filtered_parameters_and_round_trips():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    up = Updater.adamw("critic", model, lr=0.1, grad_clip=1.0, param_filter=lambda n, p: n.startswith("1."))
+    before = copy.deepcopy(model.state_dict())
+    model(torch.ones(2, 3)).sum().backward()
+    assert float(up.clip_grad_norm()) > 0
+    up.step()
+    after = model.state_dict()
+    assert torch.equal(after["0.weight"], before["0.weight"])  # not in the filter: untouched
+    assert not torch.equal(after["1.weight"], before["1.weight"])
+    assert up.steps == 1
+    clone = Updater.adamw("critic", copy.deepcopy(model), lr=0.1, param_filter=lambda n, p: n.startswith("1."))
+    clone.load_state_dict(up.state_dict())
+    assert clone.steps == 1 and clone.optimizer.state_dict()["state"].keys() == up.optimizer.state_dict()["state"].keys()
+    with pytest.raises(ValueError, match="critic: no trainable parameters"):
+        Updater.adamw("critic", model, lr=0.1, param_filter=lambda n, p: False)
+
+
+def test_warmup_schedule_hand_values():
+    f = warmup_schedule(total_steps=6, warmup_steps=2, kind="cosine")
+    assert [round(f(s), 6) for s in range(7)] == [0.5, 1.0, 1.0, 0.853553, 0.5, 0.146447, 0.0]
+    assert [warmup_schedule(4, 0, "constant")(s) for s in range(3)] == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="unknown kind 'linear'"):
+        warmup_schedule(4, 0, "linear")
