@@ -23,10 +23,15 @@ def trained_groups(run_dir):
 
 
 def test_tiny_async_run_end_to_end(tmp_path):
-    cfg = load_config(None, BASE + ["trainer.total_steps=4", "async.eta=1", f"run.dir={tmp_path / 'r'}", "run.checkpoint_every=2"])
+    cfg = load_config(None, BASE + ["trainer.total_steps=4", "async.eta=1", f"run.dir={tmp_path / 'r'}", "run.checkpoint_every=2",
+                                    "run.eval_every=2"])
     res = run_training(cfg)
     run = tmp_path / "r"
     assert res.steps == 4 and not res.interrupted
+    # run.eval_every=2: a held-out point at version 2 (version 4 is the final "after" evaluation)
+    evals = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert [(e["label"], e["version"]) for e in evals if e["event"] == "eval"] == [("before", 0), ("step_2", 2), ("after", 4)]
+    assert (run / "eval_step_2.json").is_file() and not (run / "eval_step_4.json").exists()
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:

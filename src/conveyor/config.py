@@ -270,6 +270,8 @@ class RunConfig(_Strict):
         description="dtype of run_dir/export: float32 (exact, 0.54 GB for SmolLM2) or bfloat16 (0.27 GB)")
     eval_before: bool = True
     eval_after: bool = True
+    eval_every: int | None = Field(default=None, ge=1, description="also evaluate on the held-out set every N policy "
+                                                                   "versions during training (curves; eval_step_N.json)")
     eval_max_new_tokens: int = Field(default=128, ge=1)
     progress: bool = True
     export: bool = Field(default=True, description="save the final policy as a Hugging Face directory run_dir/export (usable as --model)")

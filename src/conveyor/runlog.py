@@ -74,6 +74,15 @@ class MetricsLogger:
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()  # a killed process keeps its curves (TensorBoard buffers up to 120 s)
 
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        """Mirror extra scalars (e.g. a held-out evaluation during training) to TensorBoard at
+        ``step``; the JSON record of them is the caller's (an event, a file)."""
+        if self._tb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
     def warmup(self, step: int, warmup_step: int, metrics: dict[str, float]) -> None:
         """Record critic warm-up step ``warmup_step`` (``critic.warmup_steps``; MISSION.md section
         3) in ``critic_warmup.jsonl`` at log ``step`` (``warmup_step - W``, <= 0; see

@@ -491,6 +491,14 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
                         f"busy trainer {metrics['busy/trainer']:.2f} engine {metrics['busy/engine']:.2f} ({wall:.0f} s)")
                 report_failures(failures, controller, console)
                 fault_point("step_end")  # chaos suite: a kill between steps
+                if heldout and cfg.run.eval_every and trainer.version % cfg.run.eval_every == 0 and trainer.version < total:
+                    # a held-out curve point (before the checkpoint: a kill here redoes the step and this)
+                    res = _heldout_eval(engine, tokenizer, cfg, heldout, f"step_{trainer.version}", logger, run_dir,
+                                        False, reward_service)
+                    logger.scalars(trainer.version, {"heldout/pass_at_1": res.pass_at_1,
+                                                     "heldout/format_rate": res.format_rate})
+                    console.print(f"  held-out pass@1 at version {trainer.version}: {res.pass_at_1:.3f} "
+                                  f"({res.wall_seconds:.0f} s)")
                 # the checkpoint of the last step is the final one (run.final_checkpoint), below
                 if trainer.version % cfg.run.checkpoint_every == 0 and trainer.version < total:
                     p = save_checkpoint(run_dir, trainer, controller, keep=cfg.run.keep_checkpoints)

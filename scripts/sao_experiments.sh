@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# SAO vs GRPO vs GRPO + DIS on the main job's task (SmolLM2-135M-Instruct, calculator tool, MAWPS
+# singleop), issue 11 section 5. Every run samples 800 responses: 16 per update; SAO and VAPO-style
+# runs spend 10 x 16 of them on the critic warm-up and take 40 policy updates, the group runs take
+# 50. Held-out accuracy (greedy, 110 problems) before, every 10 versions and after. Runs are
+# sequential (one 2-core machine: wall-clock comparable) and land in docs/results/runs/sao/.
+#   bash scripts/sao_experiments.sh "0 1" "sao grpo grpo_dis"      # seeds, presets
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SEEDS=${1:-"0 1"}
+PRESETS=${2:-"sao grpo grpo_dis"}
+EXTRA=${3:-""}
+OUT=docs/results/runs/sao
+mkdir -p "$OUT"
+for seed in $SEEDS; do
+  for p in $PRESETS; do
+    steps=50
+    case $p in sao|vapo_nodis) steps=40 ;; esac
+    dir="$OUT/${p}${EXTRA:+_$(echo "$EXTRA" | tr ' =.' '_-')}_s${seed}"
+    [ -f "$dir/summary.json" ] && { echo "skip $dir (done)"; continue; }
+    rm -rf "$dir"
+    echo "== $p seed $seed -> $dir ($(date -u +%H:%M:%S))"
+    .venv/bin/conveyor train "configs/$p.yaml" trainer.total_steps=$steps run.seed=$seed data.shuffle_seed=$seed \
+      run.eval_every=10 run.checkpoint_every=1000 run.final_checkpoint=none run.export=false run.progress=false \
+      run.dir="$dir" $EXTRA > "$dir.log" 2>&1 || echo "FAILED $p seed $seed (see $dir.log)"
+    rm -rf "$dir/checkpoints"
+    mv "$dir.log" "$dir/console.log" 2>/dev/null || true
+  done
+done
