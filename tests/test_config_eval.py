@@ -115,3 +115,9 @@ def test_settings_that_can_never_learn_are_refused():
 
     assert any("greedy" in w for w in config_warnings(cfg))
     assert load_config(None, ["rollout.temperature=0.01"]).rollout.temperature == 0.01
+
+
+def test_none_words_in_overrides_mean_the_literal_none():
+    # `run.final_checkpoint=none` parses as null on the command line; it means the word
+    assert load_config(None, ["run.final_checkpoint=none"]).run.final_checkpoint == "none"
+    assert load_config(None, ["run.final_checkpoint=full"]).run.final_checkpoint == "full"

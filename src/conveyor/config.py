@@ -276,6 +276,12 @@ class RunConfig(_Strict):
     progress: bool = True
     export: bool = Field(default=True, description="save the final policy as a Hugging Face directory run_dir/export (usable as --model)")
 
+    @field_validator("final_checkpoint", mode="before")
+    @classmethod
+    def _none_is_a_word(cls, v):
+        # `run.final_checkpoint=none` on the command line parses as null
+        return "none" if v is None else v
+
 
 class TrainConfig(_Strict):
     """Everything a ``conveyor train`` run needs."""
