@@ -239,6 +239,8 @@ def test_config_rules_for_critic_and_single_rollout():
         load_config(None, ["critic.warmup_steps=3"])
     with pytest.raises(ValueError, match="loss.advantage=grpo with rollout.group_size=1.*loss.advantage=gae"):
         load_config(None, ["rollout.group_size=1"])
+    with pytest.raises(ValueError, match="filter_all_equal=true with rollout.group_size=1"):
+        load_config(None, ["rollout.group_size=1", "loss.advantage=gae", "rollout.filter_all_equal=true"])
     with pytest.raises(ValueError, match="policy_lam must be in"):
         load_config(None, ["critic.policy_lam=1.5"])
 
@@ -285,6 +287,9 @@ def test_sao_run_with_warmup_killed_and_resumed_keeps_every_log_exact(tmp_path):
     assert all(m["critic/updates"] == 2.0 for m in metrics)
     state = torch.load(sorted((run / "checkpoints").glob("step_*"))[-1] / "trainer.pt", weights_only=False)
     assert state["version"] == 3 and state["critic_warmup_done"] == 2 and state["critic"]["steps"] == 10
+    from conveyor.runlog import plot_report
+
+    assert plot_report(run).stat().st_size > 0  # with the critic's panels (warm-up at steps <= 0)
 
 
 @pytest.mark.parametrize("name,group,batch,loss,advantage,k,frozen,warmup", [

@@ -313,6 +313,10 @@ class TrainConfig(_Strict):
                 f"rollout.max_concurrent ({self.rollout.max_concurrent}) must be >= rollout.group_size ({self.rollout.group_size})"
             )
         _check_can_learn(self.rollout.temperature, self.rollout.group_size, self.loss.advantage)
+        if self.rollout.filter_all_equal and self.rollout.group_size == 1:
+            raise ValueError("rollout.filter_all_equal=true with rollout.group_size=1: a group of one response is "
+                             "always all-equal, so every trajectory would be filtered; set "
+                             "rollout.filter_all_equal=false for single-rollout training")
         if self.critic.warmup_steps and self.loss.advantage != "gae":
             raise ValueError(f"critic.warmup_steps={self.critic.warmup_steps} needs a critic: set loss.advantage=gae "
                              "(or critic.warmup_steps=0)")

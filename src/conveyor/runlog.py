@@ -413,7 +413,8 @@ def _legend(ax, **kw) -> None:
 
 def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str = "") -> Path:
     """Draw reward / accuracy / staleness / throughput curves of a run into ``report.png``
-    (written atomically).
+    (written atomically); with a critic also its value loss, explained variance and gradient
+    norms per block kind (warm-up included).
 
     Returns:
         The PNG path.
@@ -434,8 +435,10 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (not a conveyor run directory, or no "
                                 "step finished yet)")
     rows = read_metrics(run_dir / "metrics.jsonl")
+    warm = read_jsonl(run_dir / CRITIC_WARMUP, by_step=True)
+    critic = bool(warm) or any("critic/value_loss" in r for r in rows)
     out = Path(out) if out else run_dir / "report.png"
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = plt.subplots(3 if critic else 2, 2, figsize=(11, 10.5 if critic else 7))
 
     def series(key):
         xs = [r["step"] for r in rows if r.get(key) is not None]
@@ -492,6 +495,29 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
     ax.set_title("busy fractions (cumulative) / response length")
     ax.set_xlabel("policy version")
     _legend(ax, loc="lower left")
+    if critic:  # the value model (loss.advantage=gae): warm-up steps sit at steps <= 0
+        both = warm + rows
+        ax = axes[2][0]
+        for key, label in (("critic/value_loss", "value loss (before the K updates)"),
+                           ("critic/explained_variance", "explained variance")):
+            xs = [r["step"] for r in both if r.get(key) is not None]
+            ys = [r[key] for r in both if r.get(key) is not None]
+            if ys:
+                ax.plot(xs, ys, label=label)
+        ax.axvline(0.5, color="gray", lw=0.8, ls=":")
+        ax.set_title("critic (steps <= 0: warm-up)")
+        ax.set_xlabel("step")
+        _legend(ax)
+        ax = axes[2][1]
+        for kind in ("attention", "mlp", "other"):
+            key = f"critic/grad_norm_{kind}"
+            xs = [r["step"] for r in both if r.get(key) is not None]
+            ys = [r[key] for r in both if r.get(key) is not None]
+            if ys:
+                ax.plot(xs, ys, label=kind)
+        ax.set_title("critic gradient norm per block kind (before clipping)")
+        ax.set_xlabel("step")
+        _legend(ax)
     fig.suptitle(title or str(run_dir))
     fig.tight_layout()
     try:
