@@ -287,6 +287,13 @@ def test_sao_run_with_warmup_killed_and_resumed_keeps_every_log_exact(tmp_path):
     assert all(m["critic/updates"] == 2.0 for m in metrics)
     state = torch.load(sorted((run / "checkpoints").glob("step_*"))[-1] / "trainer.pt", weights_only=False)
     assert state["version"] == 3 and state["critic_warmup_done"] == 2 and state["critic"]["steps"] == 10
+    summary = json.loads((run / "summary.json").read_text())
+    assert [sg["segment"] for sg in summary["segments"]] == [0, 1]  # the killed warm-up process counts
+    assert summary["proximal"]["method"] == "none"  # dis: no proximal policy
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    before = [e for e in events if e["event"] == "eval" and e["label"] == "before"]
+    assert len(before) == 1 and not before[0].get("superseded") and before[0]["version"] == -2
+    assert not any(e.get("superseded") for e in events if e["event"] == "checkpoint" and "warmup_1" in e["path"])
     from conveyor.runlog import plot_report
 
     assert plot_report(run).stat().st_size > 0  # with the critic's panels (warm-up at steps <= 0)
@@ -308,3 +315,33 @@ def test_presets_load_with_the_same_responses_per_update(name, group, batch, los
     assert (cfg.critic.updates_per_step, cfg.critic.freeze_attention, cfg.critic.warmup_steps) == (k, frozen, warmup)
     if loss == "dis":
         assert cfg.loss.dis_preset == "reasoning"
+
+
+def test_critic_settings_errors_name_the_key(tiny, tmp_path):
+    from conveyor.config import ConfigError
+    from conveyor.preflight import config_warnings
+    from conveyor.rundir import check_resume_compatible
+
+    for bad in ("policy:0", "policy:abc", "policy:-1"):
+        with pytest.raises(ConfigError, match=r"critic.backbone: .*policy:L takes the policy's first L"):
+            load_config(None, ["loss.advantage=gae", f"critic.backbone={bad}"])
+    with pytest.raises(ConfigError, match=r"critic.backbone=policy:9: .*L must be in \[1, 2\]"):
+        make_trainer(tiny, critic={"backbone": "policy:9"})
+    with pytest.raises(ConfigError, match="critic.backbone=nonexistent"):
+        make_trainer(tiny, critic={"backbone": "nonexistent"})
+    # a rule across keys: one readable line, not a dump of the whole input
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["critic.warmup_steps=3"])
+    assert "(got {" not in str(e.value) and "\n  critic.warmup_steps=3 needs a critic" in str(e.value)
+    warn = config_warnings(load_config(None, ["critic.updates_per_step=4", "critic.backbone=policy:1"]))
+    assert any("critic.backbone, critic.updates_per_step set, but loss.advantage=grpo" in w for w in warn)
+    assert not any("critic." in w for w in config_warnings(load_config(None, [])))
+    # freeze_attention decides which parameters the critic's optimizer holds: fixed on resume
+    run = tmp_path / "r"
+    run.mkdir()
+    cfg = load_config(None, ["loss.advantage=gae", "rollout.group_size=1", f"run.dir={run}"])
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    changed = load_config(None, ["loss.advantage=gae", "rollout.group_size=1", f"run.dir={run}",
+                                 "critic.freeze_attention=false"])
+    with pytest.raises(ValueError, match="critic.freeze_attention cannot change on resume"):
+        check_resume_compatible(run, changed)

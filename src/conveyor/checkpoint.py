@@ -70,9 +70,9 @@ def checkpoint_version(path: Path) -> int:
 
 def checkpoint_order(path: Path) -> tuple[int, int]:
     """Sort key, oldest first: ``warmup_<k>`` (critic warm-up step ``k``, policy version 0)
-    before ``step_<v>`` (v >= 1)."""
+    before ``step_<v>`` (``step_0``: a run stopped right after its warm-up)."""
     kind, n = _NAME_RE.fullmatch(path.name).groups()
-    return (int(n), 0) if kind == "step" else (0, int(n))
+    return (int(n), 1 << 30) if kind == "step" else (0, int(n))
 
 
 def checkpoint_name(trainer) -> str:

@@ -173,6 +173,17 @@ class CriticConfig(_Strict):
     whiten_advantages: bool = Field(default=False, description="normalise the batch's advantages to mean 0, std 1 "
                                                                "over action tokens")
 
+    @field_validator("backbone")
+    @classmethod
+    def _backbone_form(cls, v: str) -> str:
+        if v.startswith("policy:"):
+            n = v.split(":", 1)[1]
+            if not n.isdigit() or int(n) < 1:
+                raise ValueError(f"policy:L takes the policy's first L decoder layers, L an integer >= 1; got {v!r}")
+        elif not v:
+            raise ValueError("empty backbone (policy, policy:L, or a model preset / HF dir)")
+        return v
+
     @field_validator("policy_lam")
     @classmethod
     def _policy_lam_range(cls, v):
@@ -442,5 +453,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         lines = []
         for err in e.errors():
             loc = ".".join(str(x) for x in err["loc"])
+            if not loc:  # a rule across keys (the message names them); the input is the whole config
+                lines.append(f"  {err['msg'].removeprefix('Value error, ')}")
+                continue
             lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
         raise ConfigError(f"invalid config ({src}):\n" + "\n".join(lines)) from e

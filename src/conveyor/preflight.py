@@ -163,6 +163,13 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
             "one trained on; set data.heldout (e.g. the :heldout split of your set) or "
             "data.heldout= (empty) to turn it off"
         )
+    if cfg.loss.advantage != "gae":
+        from conveyor.config import CriticConfig
+
+        changed = sorted(k for k, v in cfg.critic.model_dump().items() if v != getattr(CriticConfig(), k))
+        if changed:
+            out.append(f"critic.{', critic.'.join(changed)} set, but loss.advantage={cfg.loss.advantage} trains no "
+                       "critic: they are ignored (loss.advantage=gae uses them)")
     if cfg.rollout.temperature == 0 and cfg.rollout.group_size == 1:
         out.append(
             "rollout.temperature=0: the behaviour policy is greedy (deterministic), so training "

@@ -72,6 +72,7 @@ FIXED_ON_RESUME = (
     ("trainer", "batch_size"),
     ("loss", "advantage"),  # whether the checkpoint holds a critic
     ("critic", "backbone"),
+    ("critic", "freeze_attention"),  # which parameters the critic's optimizer holds
     ("critic", "warmup_steps"),  # the warm-up's log steps (Trainer.log_step) depend on it
 )
 # keys that decide which problems the held-out evaluation asks and how: fixed once
@@ -276,7 +277,7 @@ def final_checkpoint(
             and the original error wins.
     """
     if isinstance(error, KeyboardInterrupt | SystemExit) or (
-        trainer.version == 0 and not interrupted
+        trainer.version == 0 and trainer.critic_warmup_done == 0 and not interrupted
     ):
         return
     finished = error is None and not interrupted and trainer.version >= cfg.trainer.total_steps
@@ -285,7 +286,7 @@ def final_checkpoint(
         return
     try:
         p = save_checkpoint(run_dir, trainer, controller, keep=cfg.run.keep_checkpoints)
-        logger.event("checkpoint", path=str(p), version=trainer.version, final=True)
+        logger.event("checkpoint", path=str(p), version=trainer.log_step, final=True)
     except Exception as e:
         log.exception("final checkpoint failed")
         logger.event("checkpoint_failed", error=str(e))

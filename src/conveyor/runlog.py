@@ -95,7 +95,8 @@ class MetricsLogger:
         if self._tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(f"critic_warmup/{k.split('/', 1)[-1]}", v, step)
+                    tag = k.removeprefix("critic/").replace("/", "_")  # reward/mean -> reward_mean
+                    self._tb.add_scalar(f"critic_warmup/{tag}", v, step)
             self._tb.flush()
 
     def trained(self, step: int, batch, not_trained: list[dict] | None = None, phase: str | None = None) -> None:
@@ -289,15 +290,19 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 def next_segment(run_dir: str | Path) -> int:
     """The segment number of a process starting on ``run_dir``: one more than any segment in
-    its metrics rows (superseded ones included), 0 for a fresh run directory."""
-    rows = read_jsonl(Path(run_dir) / "metrics.jsonl", include_superseded=True)
+    its metrics rows, critic warm-up rows or events (superseded ones included), 0 for a fresh
+    run directory."""
+    run_dir = Path(run_dir)
+    rows = [r for name in ("metrics.jsonl", CRITIC_WARMUP, EVENTS)
+            for r in read_jsonl(run_dir / name, include_superseded=True)]
     return 1 + max((int(r.get("segment", 0)) for r in rows), default=-1)
 
 
 def segment_summary(run_dir: str | Path, current: dict) -> dict:
     """Wall-clock and busy time of every process segment of a run.
 
-    Earlier segments are read from the metrics rows (kept and superseded) they wrote: a
+    Earlier segments are read from the metrics and critic warm-up rows (kept and superseded)
+    they wrote: a
     segment's ``wall_seconds`` is its last row's ``time/elapsed_s`` (its training loop up to its
     last logged step; a crashed process's time after that step is not known), its busy seconds
     the busy fractions times that. ``current`` (this process, measured exactly) replaces the
@@ -314,7 +319,8 @@ def segment_summary(run_dir: str | Path, current: dict) -> dict:
         ``wall_seconds``, ``trainer_busy_seconds``, ``engine_busy_seconds``, ``steps`` (rows
         kept), ``superseded_steps`` (rows a resume superseded), ``first_step``, ``last_step``.
     """
-    rows = read_jsonl(Path(run_dir) / "metrics.jsonl", include_superseded=True)
+    rows = [r for name in ("metrics.jsonl", CRITIC_WARMUP)  # critic warm-up steps count too
+            for r in read_jsonl(Path(run_dir) / name, include_superseded=True)]
     segs: dict[int, dict] = {}
     for r in rows:
         k = int(r.get("segment", 0))

@@ -129,7 +129,8 @@ def _heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logg
         reward_service=reward_service,  # answer checks in the run's reward workers (metrics only)
     )
     atomic_write(run_dir / f"eval_{label}.json", res.write_json)  # never a half-written file
-    logger.event("eval", label=label, version=engine.version, **{k: v for k, v in res.summary().items() if not isinstance(v, dict)})
+    # version: the latest log step (the policy version; k - W during a critic warm-up of W steps)
+    logger.event("eval", label=label, **{k: v for k, v in res.summary().items() if not isinstance(v, dict)})
     return res
 
 
@@ -181,12 +182,16 @@ def run_training(cfg: TrainConfig, *, resume_dir: str | Path | None = None, cons
 
 def _critic_warmup(trainer: Trainer, cfg: TrainConfig, buffer: TrajectoryBuffer, batch_trajectories: int,
                    controller: RolloutController, logger: MetricsLogger, run_dir: Path, console, health,
-                   stop) -> float:
+                   stop, clock) -> float:
     """The critic warm-up (``critic.warmup_steps``; SAO's cold start, MISSION.md section 3):
     critic-only steps on batches of the frozen initial policy's rollouts, before any policy
     update. Each step is logged (``critic_warmup.jsonl``, TensorBoard ``critic_warmup/*``, the
     batch in ``trained.jsonl`` with ``phase: critic_warmup``) and checkpointed as
     ``warmup_<k>`` every ``run.checkpoint_every`` steps, so a resume continues mid-warm-up.
+
+    Args:
+        clock: ``clock(busy_s) -> {"time/elapsed_s", "busy/trainer", "busy/engine"}`` of the
+            process so far (how a resumed run's summary adds up this segment's time).
 
     Returns:
         Seconds the trainer was busy.
@@ -204,10 +209,13 @@ def _critic_warmup(trainer: Trainer, cfg: TrainConfig, buffer: TrajectoryBuffer,
         controller.set_warmup_batches(trainer.critic_warmup_done)
         busy += time.perf_counter() - t0
         k = trainer.critic_warmup_done
+        metrics.update(clock(busy))
         logger.warmup(trainer.log_step, k, metrics)
         logger.trained(trainer.log_step, batch, not_trained=controller.take_not_trained(), phase="critic_warmup")
-        console.print(f"critic warm-up {k}/{total}: value loss {metrics.get('critic/value_loss', float('nan')):.4f} "
-                      f"-> {metrics.get('critic/value_loss_last', float('nan')):.4f}, explained variance "
+        vl = f"value loss {metrics.get('critic/value_loss', float('nan')):.4f}"
+        if cfg.critic.updates_per_step > 1:  # the loss before the first and before the last update
+            vl += f" -> {metrics.get('critic/value_loss_last', float('nan')):.4f}"
+        console.print(f"critic warm-up {k}/{total}: {vl}, explained variance "
                       f"{metrics.get('critic/explained_variance', float('nan')):.3f}, reward "
                       f"{metrics['reward/mean']:.3f} ({metrics['time/critic_warmup_step_s']:.1f} s)")
         fault_point("step_end")  # chaos suite: a kill between steps
@@ -293,8 +301,12 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
     logging.getLogger("conveyor").addHandler(handler)
     ctx.stack.callback(logging.getLogger("conveyor").removeHandler, handler)
     logging.getLogger("conveyor").setLevel(logging.INFO)
-    logger.event("proximal", method=trainer.proximal.name, requested=cfg.proximal.method, note=trainer.proximal_note,
-                 extra_bytes=trainer.proximal.extra_bytes())
+    if trainer.objective.needs_proximal:
+        logger.event("proximal", method=trainer.proximal.name, requested=cfg.proximal.method,
+                     note=trainer.proximal_note, extra_bytes=trainer.proximal.extra_bytes())
+    else:  # e.g. dis / ppo: the ratio's denominator is the behaviour policy, proximal.* is unused
+        logger.event("proximal", method="none", requested=cfg.proximal.method,
+                     note=f"loss.name={cfg.loss.name} uses no proximal policy", extra_bytes=0)
     logger.event("precision", bf16=trainer.bf16, note=trainer.precision_note)  # trainer.bf16=auto's choice
     if trainer.critic is not None:
         logger.event("critic", note=trainer.critic_note, warmup_done=trainer.critic_warmup_done,
@@ -408,8 +420,13 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
     try:
         with bar:
             if trainer.in_critic_warmup:
+                def clock(busy_s: float) -> dict[str, float]:
+                    wall_s = max(time.perf_counter() - t_start, 1e-9)
+                    return {"time/elapsed_s": wall_s, "busy/trainer": busy_s / wall_s,
+                            "busy/engine": (engine.stats()["busy_seconds"] - eng0["busy_seconds"]) / wall_s}
+
                 trainer_busy += _critic_warmup(trainer, cfg, buffer, B, controller, logger, run_dir, console,
-                                               health, stop)
+                                               health, stop, clock)
             while trainer.version < total and not stop.is_set() and not trainer.in_critic_warmup:
                 batch = wait_for_batch(buffer, B, lambda: trainer.version, health_fn=health, stop=stop)
                 if batch is None:
@@ -484,7 +501,7 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
                     f"stale {metrics['staleness/mean']:.1f}/{metrics['staleness/max']:.0f}  "
                     f"gen {metrics['throughput/generated_tokens_per_s']:.0f} tok/s  "
                     f"busy T {metrics['busy/trainer']:.2f} E {metrics['busy/engine']:.2f}"))
-                if not progress and (trainer.version % 5 == 0 or trainer.version == 1):
+                if not progress and (trainer.version % 5 == 0 or trainer.version in (1, total)):
                     console.print(
                         f"step {trainer.version}/{total} reward {metrics['reward/mean']:.3f} acc {metrics['rollout/accuracy']:.3f} "
                         f"staleness {metrics['staleness/mean']:.2f} gen {metrics['throughput/generated_tokens_per_s']:.0f} tok/s "
@@ -559,8 +576,10 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
         "segments": seg["segments"], "eta": eta, "controller": controller.counters(),
         # the cost ledger of the proximal strategy (MISSION.md section 2)
         "proximal": {
-            "method": trainer.proximal.name, "requested": cfg.proximal.method, "note": trainer.proximal_note,
-            "extra_bytes": trainer.proximal.extra_bytes(),
+            "method": trainer.proximal.name if trainer.objective.needs_proximal else "none",
+            "requested": cfg.proximal.method,
+            "note": trainer.proximal_note if trainer.objective.needs_proximal else f"loss.name={cfg.loss.name} uses no proximal policy",
+            "extra_bytes": trainer.proximal.extra_bytes() if trainer.objective.needs_proximal else 0,
             "mean_proximal_s": sum(prox_seconds) / len(prox_seconds) if prox_seconds else 0.0,
             "mean_train_step_s": sum(train_seconds) / len(train_seconds) if train_seconds else 0.0,
         },

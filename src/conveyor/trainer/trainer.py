@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from conveyor.config import CriticConfig, LossConfig, ProximalConfig, TrainerConfig
+from conveyor.config import ConfigError, CriticConfig, LossConfig, ProximalConfig, TrainerConfig
 from conveyor.faults import fault_point
 from conveyor.hardware import resolve_bf16
 from conveyor.memory import release_free_memory, set_malloc_mmap_threshold
@@ -232,7 +232,10 @@ class Trainer:
         self.critic_note = ""
         if loss_cfg.advantage == "gae":
             cc = self.critic_cfg
-            self.critic = critic_lib.build_value_model(model, cc.backbone, seed=0)
+            try:
+                self.critic = critic_lib.build_value_model(model, cc.backbone, seed=0)
+            except (ValueError, RuntimeError) as e:  # e.g. policy:L beyond the policy's layers, an unknown model
+                raise ConfigError(f"critic.backbone={cc.backbone}: {e}") from e
             frozen = critic_lib.freeze_attention(self.critic) if cc.freeze_attention else 0
             k = cc.updates_per_step
             self.critic_updater = Updater.adamw(
