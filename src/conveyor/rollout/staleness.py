@@ -65,7 +65,8 @@ class StalenessManager:
       ``running = 0``; MISSION.md section 1: a real bug was the capacity jumping after recovery).
 
     Invariant kept by a controller that follows the lifecycle: ``accepted + running <=
-    (eta + v + 1) * batch_size`` at every trainer version ``v``.
+    (eta + v + 1) * batch_size`` at every trainer version ``v`` (after :meth:`set_eta` lowers
+    eta it may be exceeded by rollouts admitted earlier; nothing new is admitted until it holds).
 
     All methods are thread-safe (one ``threading.Lock``).
 
@@ -98,8 +99,31 @@ class StalenessManager:
 
     @property
     def eta(self) -> int | None:
-        """Maximum staleness in policy versions; None = unbounded."""
-        return self._eta
+        """Maximum staleness in policy versions; None = unbounded (changed by :meth:`set_eta`)."""
+        with self._lock:
+            return self._eta
+
+    def set_eta(self, eta: int | None) -> None:
+        """Change the staleness bound mid-run (e.g. from an adaptive controller).
+
+        The capacity rule stays exact: :meth:`capacity` reads ``eta`` under the same lock as the
+        counters, so every call after this one uses the new bound with the real ``accepted`` and
+        ``running``. Lowering eta admits nothing until ``accepted + running`` fits in
+        ``(eta_new + v + 1) * B`` (capacity clamped at 0; rollouts already in flight are not
+        cancelled, and the buffer's own bound decides whether they are still used); raising it
+        releases the extra capacity at once. ``None`` (unbounded) <-> int transitions are
+        allowed: to None, only ``max_concurrent`` limits admission; from None, the bound applies
+        to the counts accumulated while unbounded. The counters are untouched.
+
+        Args:
+            eta: New maximum staleness in policy versions (int >= 0), or None for unbounded.
+
+        Raises:
+            ValueError: naming ``eta`` when it is not None and not an int >= 0 (nothing changes).
+        """
+        new = None if eta is None else _check_int("eta", eta, 0)
+        with self._lock:
+            self._eta = new
 
     @property
     def max_concurrent(self) -> int:

@@ -385,8 +385,10 @@ class Trainer:
 
     def score(self, batch: StepBatch) -> Scores:
         """Phase 2: what the update needs from the parameters before it (no gradient):
-        proximal log-probs (the objective's choice, ``proximal.method``; AReaL eq. 5) and the
-        reference policy's log-probs (``loss.kl_coef > 0``)."""
+        proximal log-probs (the objective's choice, ``proximal.method``; AReaL eq. 5), the
+        reference policy's log-probs (``loss.kl_coef > 0``) and the critic's values on every
+        response token (``loss.advantage=gae``; observation tokens included, for the naive-GAE
+        ablation)."""
         n = len(batch.micro_batches)
         scores = Scores([None] * n, [None] * n, [None] * n, [None] * n, [None] * n)
         # With one optimizer step per batch the parameters before the update are the ones of the
