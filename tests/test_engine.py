@@ -220,10 +220,11 @@ def test_greedy_matches_hf_generate_under_continuous_batching(engine, ref):
 
 def test_small_prefill_chunks_and_kv_growth_do_not_change_results(ref, monkeypatch):
     """One prefill pass per request (several merges) and KV buffers that regrow every 2 steps."""
-    from conveyor.rollout import engine as engine_module
+    # patched where they are read (the package does not re-export them, so a stale target fails)
+    from conveyor.rollout.engine import kv_cache, local
 
-    monkeypatch.setattr(engine_module, "_PREFILL_MAX_TOKENS", 60)
-    monkeypatch.setattr(engine_module, "_KV_GROWTH", 2)
+    monkeypatch.setattr(local, "_PREFILL_MAX_TOKENS", 60)
+    monkeypatch.setattr(kv_cache, "_KV_GROWTH", 2)
     model, _, prompts = ref
     m, tok = fresh_model()
     with InferenceEngine(m, tok, num_threads=1) as eng:
