@@ -345,3 +345,28 @@ def test_critic_settings_errors_name_the_key(tiny, tmp_path):
                                  "critic.freeze_attention=false"])
     with pytest.raises(ValueError, match="critic.freeze_attention cannot change on resume"):
         check_resume_compatible(run, changed)
+
+
+def test_turn_values_whitening_and_value_clip_through_the_trainer(tiny):
+    """critic.values=turn: every token of an action segment gets the segment's advantage (the
+    example's segments [0, 1] and [4]: V_turn = (0.2, 0.6), reward 1, lambda 1:
+    A = (0.8, 0.8, -, -, 0.4)); critic.whiten_advantages: mean 0, std 1 over the action tokens;
+    critic.value_clip: the clip fraction is reported and the loss stays finite."""
+    trajs = [traj(0, [5, 6, 7, 8, 9], 1.0, action_mask=[1, 1, 0, 0, 1]), traj(1, [5, 6], 0.0)]
+    table = {0: [0.2, 0.4, 9.0, 9.0, 0.6], 1: [0.5, 0.5]}
+    tr = make_trainer(tiny, critic={"policy_lam": 1.0, "values": "turn"})
+    fixed_values(tr, table)
+    batch = tr.pack(trajs)
+    tr.assign_advantages(batch, tr.score(batch))
+    assert token_advantages(batch, 0) == pytest.approx([0.8, 0.8, 0.0, 0.0, 0.4], abs=1e-6)
+    tr = make_trainer(tiny, critic={"policy_lam": 1.0, "whiten_advantages": True})
+    fixed_values(tr, table)
+    batch = tr.pack(trajs)
+    tr.assign_advantages(batch, tr.score(batch))
+    act = torch.cat([mb.advantages[mb.mask > 0] for mb in batch.micro_batches])
+    assert float(act.mean()) == pytest.approx(0.0, abs=1e-6)
+    assert float(act.std(unbiased=False)) == pytest.approx(1.0, abs=1e-5)
+    assert token_advantages(batch, 0)[2:4] == [0.0, 0.0]  # observations stay 0
+    tr = make_trainer(tiny, critic={"value_clip": 1e-4, "updates_per_step": 2, "lr": 1e-2})
+    m = tr.train_step(_batch())
+    assert 0.0 <= m["critic/clip_frac"] <= 1.0 and m["critic/updates"] == 2.0
