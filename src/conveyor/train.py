@@ -58,6 +58,7 @@ from conveyor.runlog import (
     plot_report,
     segment_summary,
 )
+from conveyor.runtime.publish import PendingTokens, buffered_pending, publisher_for, tracks_partials
 from conveyor.runtime_files import (
     atomic_write,
     atomic_write_json,
@@ -65,7 +66,6 @@ from conveyor.runtime_files import (
     make_run_dir,
 )
 from conveyor.shutdown import StopNow
-from conveyor.trainer.proximal import score_partials
 from conveyor.trainer.trainer import NonFiniteLossError, Trainer
 
 log = logging.getLogger(__name__)
@@ -76,16 +76,7 @@ __all__ = ["CHECKPOINTS", "TrainResult", "load_run_config", "run_training", "sav
 # ---------------------------------------------------------------------- checkpoints
 # (conveyor.checkpoint: atomic, verified writes; the old private name stays for callers)
 _latest_checkpoint = latest_checkpoint
-
-
-class _TrajView:
-    """A buffered trajectory seen as a partial request by :func:`score_partials`: the shared
-    ``metadata["old_logprobs"]`` list is extended in place."""
-
-    def __init__(self, t):
-        self.prompt_ids, self.token_ids, self.versions = t.prompt_ids, t.response_ids, t.versions
-        self.sampling_mask = t.sampling_mask  # kept sets: scored like the trainer
-        self.old_logprobs = t.metadata.setdefault("old_logprobs", [])
+_TrajView = PendingTokens  # the name before conveyor.runtime.publish
 
 
 # ---------------------------------------------------------------------- the run
@@ -327,11 +318,9 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
     engine_model = copy.deepcopy(policy).eval()
     for p in engine_model.parameters():
         p.requires_grad_(False)
-    partial_sync = trainer.proximal.name == "partial_sync"
-    dedicated = trainer.proximal if trainer.proximal.name == "dedicated" else None
     engine = InferenceEngine(engine_model, tokenizer, version=trainer.version, max_batch_size=cfg.rollout.max_batch_size,
                              seed=cfg.run.seed + trainer.version, num_threads=engine_threads,
-                             track_partials=partial_sync or dedicated is not None,
+                             track_partials=tracks_partials(trainer.proximal),
                              reencode_on_update=cfg.rollout.reencode_on_update)
     engine.start()
     ctx.stack.callback(engine.stop)
@@ -388,10 +377,9 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
         if controller.error is not None:
             raise RuntimeError(f"rollout controller crashed: {controller.error!r}") from controller.error
 
-    if dedicated is not None:
-        dedicated.start(trainer)
-    if partial_sync or dedicated is not None:
-        engine.partial_requests(require_pause=False)  # forget the held-out evaluation's requests
+    # the publish phase: the weights go to the engine, with what the proximal strategy needs
+    publisher = publisher_for(trainer.proximal, engine, lambda: buffered_pending(buffer))
+    publisher.start(trainer)
     controller.start()
     t_start = time.perf_counter()
     trainer_busy = 0.0
@@ -432,8 +420,7 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
                 if batch is None:
                     break
                 t0 = time.perf_counter()
-                if dedicated is not None:  # every version below the trainer's must be scored
-                    dedicated.wait_retired(trainer.version)
+                publisher.before_step(trainer)
                 try:
                     metrics = trainer.train_step(batch)
                 except NonFiniteLossError as e:  # the step still counts: log it, then stop
@@ -444,24 +431,8 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
                 if bookkeeping_s is not None:
                     metrics["time/bookkeeping_s"] = bookkeeping_s  # logging + checkpoint of the previous step
                 t_sync = time.perf_counter()
-                if partial_sync:
-                    # MISSION.md section 2, recovery 3: pause, score every token of the outgoing
-                    # version with the engine's (outgoing) parameters, update, resume
-                    engine.pause()
-                    try:
-                        pending = engine.partial_requests() + [_TrajView(t) for g in buffer.snapshot() for t in g]
-                        metrics["proximal/partial_sync_tokens"] = float(score_partials(trainer, engine.model, pending, engine.version))
-                        metrics["time/partial_sync_s"] = time.perf_counter() - t_sync
-                        metrics["time/proximal_s"] += metrics["time/partial_sync_s"]
-                        engine.update_weights(trainer.weight_update())
-                    finally:
-                        engine.resume()
-                else:
-                    upd = trainer.weight_update()
-                    engine.update_weights(upd)
-                    if dedicated is not None:  # the engine no longer samples the outgoing version
-                        dedicated.retire(engine.partial_requests(require_pause=False)
-                                         + [_TrajView(t) for g in buffer.snapshot() for t in g], upd)
+                metrics.update(publisher.publish(trainer))
+                metrics["time/proximal_s"] += metrics.get("time/partial_sync_s", 0.0)
                 controller.set_version(trainer.version)
                 metrics["time/weight_sync_s"] = time.perf_counter() - t_sync
                 trainer_busy += time.perf_counter() - t0
@@ -528,8 +499,7 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
         eng_end = engine.stats()  # read with `wall`: busy seconds and wall-clock cover one window
         interrupted = ctx.interrupts.requested
         controller.stop()
-        if dedicated is not None:
-            dedicated.stop()
+        publisher.stop()
         ctx.phase = "the final checkpoint"
         final_checkpoint(run_dir, trainer, controller, logger, cfg, error, interrupted)
         ctx.interrupts.end_graceful()  # from here a Ctrl-C stops at once
