@@ -260,3 +260,27 @@ def test_controller_drives_manager():
         c.update(0.5)                       # 0.7 -> 0.1 over 6 steps, eta floor(0.4) = 0
     m.set_eta(c.eta())
     assert (c.ratio, m.eta, m.capacity(0)) == (0.1, 0, 2)
+
+
+def test_buffer_set_eta_drops_by_the_new_bound():
+    """TrajectoryBuffer.set_eta: lowering the bound drops groups older than the new one at the
+    next drop; raising it keeps them; None never drops; a bad value names the field."""
+    from conveyor.rollout.buffer import TrajectoryBuffer
+    from conveyor.types import Sample, Trajectory
+
+    def group(version, gid):
+        return [Trajectory(sample=Sample(gid, "q", "1", "t"), group_id=gid, prompt_ids=[1], response_ids=[2],
+                           behaviour_logprobs=[0.0], versions=[version])]
+
+    buf = TrajectoryBuffer(eta=4)
+    for v in (0, 1, 2, 3):
+        buf.put(group(v, f"g{v}"))
+    assert buf.drop_stale(4) == 0  # ages 0..3 >= 4 - 4
+    buf.set_eta(1)
+    assert buf.eta == 1
+    assert buf.drop_stale(4) == 3  # ages 0, 1, 2 < 4 - 1
+    buf.set_eta(None)
+    buf.put(group(0, "old"))
+    assert buf.drop_stale(100) == 0
+    with pytest.raises(ValueError, match="eta"):
+        buf.set_eta(-1)

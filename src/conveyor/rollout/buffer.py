@@ -103,6 +103,18 @@ class TrajectoryBuffer:
         """Maximum staleness in policy versions; None = never drop."""
         return self._eta
 
+    def set_eta(self, eta: int | None) -> None:
+        """Change the staleness bound mid-run (an adaptive controller, MISSION.md section 4):
+        groups older than the new bound are dropped at the next take / drop, exactly as if the
+        bound had always been ``eta``.
+
+        Raises:
+            ValueError: ``eta`` is not None and not an int >= 0 (field ``eta``).
+        """
+        new = None if eta is None else _check_int("eta", eta, 0)
+        with self._cond:
+            self._eta = new
+
     # ---------------------------------------------------------------- input
     def put(self, traj_or_group: Trajectory | Sequence[Trajectory]) -> None:
         """Add one group (a list of trajectories of one prompt) or a single trajectory.
