@@ -39,7 +39,9 @@ def load(run: Path) -> dict:
     evals = [e for e in events if e.get("event") == "eval" and not e.get("superseded")]
     n_warm = len(warm)
     summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else {}
-    eval_s = sum(e.get("wall_seconds", 0.0) for e in evals)
+    # summary.json's wall-clock is the training loop's: it holds the evaluations during training
+    # (eval_step_N), not the ones before and after
+    eval_s = sum(e.get("wall_seconds", 0.0) for e in evals if str(e.get("label", "")).startswith("step_"))
     return {
         "name": run.name, "per_step": per_step, "warm": warm, "metrics": metrics, "n_warm": n_warm,
         "evals": [((n_warm + e["version"]) * per_step, e["label"], e["pass_at_1"]) for e in evals],
