@@ -68,15 +68,12 @@ class MetricsLogger:
                **{k: _clean(v) for k, v in metrics.items()}}
         self._f.write(json.dumps(row) + "\n")
         self._f.flush()
-        if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
-            self._tb.flush()  # a killed process keeps its curves (TensorBoard buffers up to 120 s)
+        self.scalars(step, metrics)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        """Mirror extra scalars (e.g. a held-out evaluation during training) to TensorBoard at
-        ``step``; the JSON record of them is the caller's (an event, a file)."""
+        """Mirror the finite numbers of ``values`` to TensorBoard at ``step`` (flushed: a killed
+        process keeps its curves; TensorBoard buffers up to 120 s); the JSON record of them is
+        the caller's (metrics.jsonl, a file, an event)."""
         if self._tb is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
@@ -92,12 +89,9 @@ class MetricsLogger:
                **{k: _clean(v) for k, v in metrics.items()}}
         with (self.run_dir / CRITIC_WARMUP).open("a") as f:
             f.write(json.dumps(row) + "\n")
-        if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    tag = k.removeprefix("critic/").replace("/", "_")  # reward/mean -> reward_mean
-                    self._tb.add_scalar(f"critic_warmup/{tag}", v, step)
-            self._tb.flush()
+        # critic/value_loss -> critic_warmup/value_loss, reward/mean -> critic_warmup/reward_mean
+        self.scalars(step, {f"critic_warmup/{k.removeprefix('critic/').replace('/', '_')}": v
+                            for k, v in metrics.items()})
 
     def trained(self, step: int, batch, not_trained: list[dict] | None = None, phase: str | None = None) -> None:
         """Append to ``trained.jsonl`` which trajectory groups (and samples, versions) the update
@@ -446,9 +440,9 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
     out = Path(out) if out else run_dir / "report.png"
     fig, axes = plt.subplots(3 if critic else 2, 2, figsize=(11, 10.5 if critic else 7))
 
-    def series(key):
-        xs = [r["step"] for r in rows if r.get(key) is not None]
-        ys = [r[key] for r in rows if r.get(key) is not None]
+    def series(key, of=rows):
+        xs = [r["step"] for r in of if r.get(key) is not None]
+        ys = [r[key] for r in of if r.get(key) is not None]
         return xs, ys
 
     def smooth(ys, w=5):
@@ -506,8 +500,7 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
         ax = axes[2][0]
         for key, label in (("critic/value_loss", "value loss (before the K updates)"),
                            ("critic/explained_variance", "explained variance")):
-            xs = [r["step"] for r in both if r.get(key) is not None]
-            ys = [r[key] for r in both if r.get(key) is not None]
+            xs, ys = series(key, both)
             if ys:
                 ax.plot(xs, ys, label=label)
         ax.axvline(0.5, color="gray", lw=0.8, ls=":")
@@ -516,9 +509,7 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
         _legend(ax)
         ax = axes[2][1]
         for kind in ("attention", "mlp", "other"):
-            key = f"critic/grad_norm_{kind}"
-            xs = [r["step"] for r in both if r.get(key) is not None]
-            ys = [r[key] for r in both if r.get(key) is not None]
+            xs, ys = series(f"critic/grad_norm_{kind}", both)
             if ys:
                 ax.plot(xs, ys, label=kind)
         ax.set_title("critic gradient norm per block kind (before clipping)")

@@ -18,16 +18,8 @@ import bisect
 import threading
 from collections.abc import Callable, Sequence
 
+from conveyor.rollout.staleness import check_int
 from conveyor.types import Trajectory
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    """Return ``value`` if it is an ``int`` (not ``bool``) >= ``minimum``, else raise ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def group_version(group: Sequence[Trajectory]) -> int:
@@ -78,7 +70,7 @@ class TrajectoryBuffer:
     """
 
     def __init__(self, eta: int | None, on_drop: Callable[[int], None] | None = None) -> None:
-        self._eta = None if eta is None else _check_int("eta", eta, 0)
+        self._eta = None if eta is None else check_int("eta", eta, 0)
         if on_drop is not None and not callable(on_drop):
             raise ValueError(f"on_drop must be callable or None, got {on_drop!r}")
         self._on_drop = on_drop
@@ -111,7 +103,7 @@ class TrajectoryBuffer:
         Raises:
             ValueError: ``eta`` is not None and not an int >= 0 (field ``eta``).
         """
-        new = None if eta is None else _check_int("eta", eta, 0)
+        new = None if eta is None else check_int("eta", eta, 0)
         with self._cond:
             self._eta = new
 
@@ -166,7 +158,7 @@ class TrajectoryBuffer:
         Raises:
             ValueError: if ``current_version`` is not an int >= 0.
         """
-        _check_int("current_version", current_version, 0)
+        check_int("current_version", current_version, 0)
         with self._cond:
             dropped = self._drop_stale_locked(current_version)
         self._notify_drop(dropped)
@@ -194,8 +186,8 @@ class TrajectoryBuffer:
         Raises:
             ValueError: naming the field if an argument is not an int in range.
         """
-        _check_int("n_trajectories", n_trajectories, 1)
-        _check_int("current_version", current_version, 0)
+        check_int("n_trajectories", n_trajectories, 1)
+        check_int("current_version", current_version, 0)
         batch: list[Trajectory] | None = None
         with self._cond:
             dropped = self._drop_stale_locked(current_version)
@@ -277,7 +269,7 @@ class TrajectoryBuffer:
         Raises:
             ValueError: if ``n`` is not an int >= 1 or ``timeout`` is negative.
         """
-        _check_int("n", n, 1)
+        check_int("n", n, 1)
         if timeout is not None and timeout < 0:
             raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
         with self._cond:

@@ -25,7 +25,7 @@ from typing import Any
 _COUNTERS = ("running", "accepted", "rejected", "dropped", "started")
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
+def check_int(name: str, value: Any, minimum: int) -> int:
     """Return ``value`` if it is an ``int`` (not ``bool``) >= ``minimum``, else raise.
 
     Raises:
@@ -81,9 +81,9 @@ class StalenessManager:
     """
 
     def __init__(self, batch_size: int, eta: int | None, max_concurrent: int) -> None:
-        self._batch_size = _check_int("batch_size", batch_size, 1)
-        self._eta = None if eta is None else _check_int("eta", eta, 0)
-        self._max_concurrent = _check_int("max_concurrent", max_concurrent, 1)
+        self._batch_size = check_int("batch_size", batch_size, 1)
+        self._eta = None if eta is None else check_int("eta", eta, 0)
+        self._max_concurrent = check_int("max_concurrent", max_concurrent, 1)
         self._lock = threading.Lock()
         self._running = 0
         self._accepted = 0
@@ -121,7 +121,7 @@ class StalenessManager:
         Raises:
             ValueError: naming ``eta`` when it is not None and not an int >= 0 (nothing changes).
         """
-        new = None if eta is None else _check_int("eta", eta, 0)
+        new = None if eta is None else check_int("eta", eta, 0)
         with self._lock:
             self._eta = new
 
@@ -186,7 +186,7 @@ class StalenessManager:
         Raises:
             ValueError: if ``version`` is not an int >= 0.
         """
-        _check_int("version", version, 0)
+        check_int("version", version, 0)
         with self._lock:
             cap = self._max_concurrent - self._running
             if self._eta is not None:
@@ -205,7 +205,7 @@ class StalenessManager:
             ValueError: if ``n`` is not an int >= 1.
             RuntimeError: if ``running + n`` would exceed ``max_concurrent`` (nothing changes).
         """
-        _check_int("n", n, 1)
+        check_int("n", n, 1)
         with self._lock:
             if self._running + n > self._max_concurrent:
                 raise RuntimeError(
@@ -222,7 +222,7 @@ class StalenessManager:
             ValueError: if ``n`` is not an int >= 1.
             RuntimeError: if fewer than ``n`` rollouts are running (nothing changes).
         """
-        _check_int("n", n, 1)
+        check_int("n", n, 1)
         with self._lock:
             self._check_running("on_accept", n)
             self._running -= n
@@ -238,7 +238,7 @@ class StalenessManager:
             ValueError: if ``n`` is not an int >= 1.
             RuntimeError: if fewer than ``n`` rollouts are running (nothing changes).
         """
-        _check_int("n", n, 1)
+        check_int("n", n, 1)
         with self._lock:
             self._check_running("on_reject", n)
             self._running -= n
@@ -257,7 +257,7 @@ class StalenessManager:
             ValueError: if ``n`` is not an int >= 1.
             RuntimeError: if ``n`` exceeds ``accepted`` (nothing changes).
         """
-        _check_int("n", n, 1)
+        check_int("n", n, 1)
         with self._lock:
             if n > self._accepted:
                 raise RuntimeError(f"on_drop(n={n}) but accepted is only {self._accepted}")
@@ -301,7 +301,7 @@ class StalenessManager:
         for name in _COUNTERS:
             if name not in state:
                 raise KeyError(f"state dict lacks the counter {name!r}")
-            values[name] = _check_int(name, state[name], 0)
+            values[name] = check_int(name, state[name], 0)
         with self._lock:
             for name, value in values.items():
                 setattr(self, f"_{name}", value)
@@ -323,8 +323,8 @@ class StalenessManager:
         Raises:
             ValueError: naming the field when ``version`` or ``buffered`` is not an int >= 0.
         """
-        _check_int("version", version, 0)
-        _check_int("buffered", buffered, 0)
+        check_int("version", version, 0)
+        check_int("buffered", buffered, 0)
         with self._lock:
             self._accepted = version * self._batch_size + buffered
             self._running = 0

@@ -197,15 +197,7 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
             installed transformers lacks a class of the table; or no module of the family's
             attention classes is found in ``model``.
     """
-    model_type = _model_type(model)
-    attn, _ = _family_classes(model_type)
-    found = _outermost(model, attn)
-    if not found:
-        raise ValueError(
-            f"model ({type(model).__name__}, model_type {model_type!r}) holds no module of the "
-            f"attention classes {[c.__name__ for c in attn]}"
-        )
-    return found
+    return _modules_of_kind(model, 0, "attention")
 
 
 def mlp_modules(model: nn.Module) -> list[nn.Module]:
@@ -223,13 +215,18 @@ def mlp_modules(model: nn.Module) -> list[nn.Module]:
     Raises:
         ValueError: as :func:`attention_modules` (unknown family, missing class, none found).
     """
+    return _modules_of_kind(model, 1, "MLP / MoE")
+
+
+def _modules_of_kind(model: nn.Module, kind: int, label: str) -> list[nn.Module]:
+    """The outermost modules of the family's attention (``kind`` 0) or MLP / MoE (1) classes."""
     model_type = _model_type(model)
-    _, mlp = _family_classes(model_type)
-    found = _outermost(model, mlp)
+    classes = _family_classes(model_type)[kind]
+    found = _outermost(model, classes)
     if not found:
         raise ValueError(
             f"model ({type(model).__name__}, model_type {model_type!r}) holds no module of the "
-            f"MLP / MoE classes {[c.__name__ for c in mlp]}"
+            f"{label} classes {[c.__name__ for c in classes]}"
         )
     return found
 

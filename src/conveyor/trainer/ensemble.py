@@ -35,6 +35,8 @@ from fractions import Fraction
 import torch
 from torch import Tensor
 
+from conveyor.rollout.staleness import check_int
+
 __all__ = [
     "shard_of",
     "index_in_group",
@@ -44,13 +46,6 @@ __all__ = [
     "uncertainty_masks",
 ]
 
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _check_mask(mask: Tensor) -> Tensor:
@@ -80,8 +75,8 @@ def shard_of(index_in_group: int, n_critics: int) -> int:
         ValueError: naming the argument when ``index_in_group`` is not an int >= 0 or
             ``n_critics`` not an int >= 1.
     """
-    _check_int("index_in_group", index_in_group, 0)
-    _check_int("n_critics", n_critics, 1)
+    check_int("index_in_group", index_in_group, 0)
+    check_int("n_critics", n_critics, 1)
     return index_in_group % n_critics
 
 
@@ -146,7 +141,7 @@ def critic_sample_masks(group_ids: Tensor | Sequence[Hashable], n_critics: int) 
     Raises:
         ValueError: as :func:`index_in_group`; ``n_critics`` not an int >= 1.
     """
-    _check_int("n_critics", n_critics, 1)
+    check_int("n_critics", n_critics, 1)
     shard = index_in_group(group_ids) % n_critics
     critics = torch.arange(n_critics, device=shard.device)
     return shard.unsqueeze(0) == critics.unsqueeze(1)
@@ -219,7 +214,7 @@ def uncertainty_counts(n_tokens: int, *, low_frac: float = 0.1,
         ValueError: naming the argument when ``n_tokens`` is not an int >= 0 or a fraction is
             not a real number in ``[0, 1]`` (NaN and inf included).
     """
-    _check_int("n_tokens", n_tokens, 0)
+    check_int("n_tokens", n_tokens, 0)
     low = _check_frac("low_frac", low_frac)
     high = _check_frac("high_frac", high_frac)
     return math.floor(low * n_tokens), math.floor(high * n_tokens)

@@ -383,12 +383,12 @@ class Trainer:
                 for mb in mbs]
         return StepBatch(trajectories, mbs, [a[0] for a in aggs], [a[1] for a in aggs])
 
-    def score(self, batch: StepBatch) -> Scores:
+    def score(self, batch: StepBatch, *, values_only: bool = False) -> Scores:
         """Phase 2: what the update needs from the parameters before it (no gradient):
         proximal log-probs (the objective's choice, ``proximal.method``; AReaL eq. 5), the
         reference policy's log-probs (``loss.kl_coef > 0``) and the critic's values on every
         response token (``loss.advantage=gae``; observation tokens included, for the naive-GAE
-        ablation)."""
+        ablation). ``values_only``: the critic's values alone (a critic warm-up step)."""
         n = len(batch.micro_batches)
         scores = Scores([None] * n, [None] * n, [None] * n, [None] * n, [None] * n)
         # With one optimizer step per batch the parameters before the update are the ones of the
@@ -398,26 +398,17 @@ class Trainer:
         reuse_forward = self.cfg.minibatches == 1 and not self.cfg.separate_proximal_pass
         with torch.no_grad():
             for j, mb in enumerate(batch.micro_batches):
-                if self.objective.needs_proximal:
+                if self.objective.needs_proximal and not values_only:
                     scores.proximal[j] = self.proximal.old_logprobs(self, mb)
                     if scores.proximal[j] is None and not reuse_forward:
                         cur, scores.entropy[j] = self._logprobs(self.model, mb, with_entropy=True)
                         scores.proximal[j] = self.proximal.from_forward(cur, mb, self.version)
-                if self.ref_model is not None:
+                if self.ref_model is not None and not values_only:
                     scores.reference[j], _ = self._logprobs(self.ref_model, mb)
                 if self.critic is not None:
                     t_v = time.perf_counter()
                     scores.values[j] = self._values(mb, mask=(mb.response_index >= 0).float())
                     scores.value_seconds += time.perf_counter() - t_v
-        return scores
-
-    def score_values(self, batch: StepBatch) -> Scores:
-        """Phase 2 for a critic-only step (:meth:`critic_warmup_step`): the critic's values only."""
-        n = len(batch.micro_batches)
-        scores = Scores([None] * n, [None] * n, [None] * n, [None] * n, [None] * n)
-        with torch.no_grad():
-            for j, mb in enumerate(batch.micro_batches):
-                scores.values[j] = self._values(mb, mask=(mb.response_index >= 0).float())
         return scores
 
     def assign_advantages(self, batch: StepBatch, scores: Scores) -> None:
@@ -577,7 +568,7 @@ class Trainer:
             raise ValueError("critic_warmup_step: empty batch")
         t0 = time.perf_counter()
         batch = self.pack(trajectories)
-        scores = self.score_values(batch)
+        scores = self.score(batch, values_only=True)
         self._gae(batch, scores)
         metrics = self.critic_update(batch, scores)
         self.critic_warmup_done += 1
