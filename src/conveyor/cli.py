@@ -19,7 +19,7 @@ from rich.console import Console
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
-    help="conveyor: asynchronous RL post-training of LLMs (train, eval, datasets, report, simulate).",
+    help="conveyor: asynchronous RL post-training of LLMs (train, eval, datasets, report, simulate, serve).",
 )
 console = Console()
 
@@ -353,6 +353,42 @@ def simulate_cmd(
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(results, indent=2))
         console.print(f"predictions written to {output}")
+
+
+@app.command("serve")
+def serve_cmd(
+    model: Annotated[str, typer.Option(help="preset (smollm2-135m-instruct, tiny), HF directory or .gguf file")] = "smollm2-135m-instruct",
+    host: Annotated[str, typer.Option(help="interface to bind (default: this machine only)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 30000,
+    api_key: Annotated[str | None, typer.Option(envvar="CONVEYOR_API_KEY", help="require 'Authorization: Bearer KEY' on every request (or set CONVEYOR_API_KEY)")] = None,
+    max_batch_size: Annotated[int, typer.Option(help="engine decode batch (sequences)")] = 32,
+    seed: Annotated[int, typer.Option(help="engine seed (requests without a seed)")] = 0,
+    num_threads: Annotated[int | None, typer.Option(help="decode thread's intra-op threads (default: torch's)")] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
+) -> None:
+    """Serve a model over HTTP with SGLang's native API (/generate, /update_weights_from_disk,
+    /pause_generation, /continue_generation, /abort_request, /health, /get_model_info,
+    /get_weight_version), /conveyor/stats, and a minimal imitation of vLLM's /v1/completions
+    (token-id prompts). Clients: conveyor.rollout.engine.remote.HttpEngine / VllmEngine.
+    """
+    from conveyor.models import ModelLoadError
+    from conveyor.rollout.engine.server import serve
+
+    if not 0 < port < 65536:
+        _fail(f"--port must be in 1..65535, got {port}")
+    if max_batch_size < 1:
+        _fail(f"--max-batch-size must be >= 1, got {max_batch_size}")
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        console.print(f"[yellow]warning:[/] serving on {host} without --api-key: anyone who can "
+                      "reach the port can generate and replace the weights", soft_wrap=True)
+    logging.basicConfig(level=logging.INFO)
+    try:
+        serve(model, host=host, port=port, api_key=api_key, max_batch_size=max_batch_size,
+              seed=seed, num_threads=num_threads, log_level=log_level)
+    except ModelLoadError as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(f"cannot serve on {host}:{port}: {e}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -57,7 +57,11 @@ Package layout (import from ``conveyor.rollout.engine``):
 * :mod:`~conveyor.rollout.engine.kv_cache` -- the KV cache and the running batch;
 * :mod:`~conveyor.rollout.engine.local` -- ``InferenceEngine``;
 * :mod:`~conveyor.rollout.engine.protocol` -- ``Engine``, what the rest of conveyor calls on an
-  engine.
+  engine;
+* :mod:`~conveyor.rollout.engine.server` -- ``build_app`` / ``serve``: the engine over HTTP with
+  SGLang's native API (``conveyor serve``; imports FastAPI, so not imported here);
+* :mod:`~conveyor.rollout.engine.remote` -- ``HttpEngine`` (SGLang API) and ``VllmEngine``
+  (vLLM's ``/v1/completions``): ``Engine`` clients of a server (import from there).
 
 Module-level tunables are read from the module that uses them (``kv_cache._KV_GROWTH``,
 ``local._PREFILL_MAX_TOKENS``, ``sampling._CDF_BLOCK`` / ``_TOP_P_CANDIDATES``): patch them there.

@@ -152,6 +152,7 @@ class InferenceEngine:
         self._paused = False
         self._in_step = False
         self._failure: BaseException | None = None
+        self._abort_pending = False  # running requests flagged by abort(), not yet finished
         self._next_rid = 0
         self._stats = dict(
             busy_seconds=0.0,
@@ -231,6 +232,7 @@ class InferenceEngine:
             self._batch = None
             self._running_count = 0
             self._paused = False
+            self._abort_pending = False
             self._cond.notify_all()
         if updates:
             with self._model_lock:
@@ -268,9 +270,53 @@ class InferenceEngine:
             self._cond.notify_all()
 
     @property
+    def running(self) -> bool:
+        """True while the decode thread runs (started, neither stopped nor crashed); paused
+        counts as running. The engine server's ``/health`` reports it."""
+        with self._cond:
+            return self._thread is not None and not self._stopped and self._failure is None
+
+    @property
     def paused(self) -> bool:
         """True between :meth:`pause` and :meth:`resume`."""
         return self._paused
+
+    def abort(self, rids: Sequence[int] | None = None) -> int:
+        """Finish requests now with ``finish_reason="abort"`` and the tokens they have
+        (SGLang's ``/abort_request``; the engine keeps running).
+
+        Queued requests are finished at once (no tokens); requests in the running batch (or
+        awaiting re-encoding) are removed at the next step boundary by the decode thread, also
+        while the engine is paused, and resolve with their partial response. A request that
+        finishes on its own (stop / length) before that boundary keeps its own finish reason.
+
+        Args:
+            rids: Request ids (the ``rid`` attribute of the future :meth:`submit` returns);
+                None aborts every unfinished request. Unknown or already finished ids are
+                ignored.
+
+        Returns:
+            The number of unfinished requests that were aborted.
+        """
+        finish_now: list[_Request] = []
+        with self._cond:
+            targets = list(self._live.values()) if rids is None else [
+                self._live[r] for r in rids if r in self._live
+            ]
+            targets = [r for r in targets if not r.cancelled and not r.aborted]
+            queued = {id(r) for r in self._waiting}
+            for req in targets:
+                req.aborted = True
+                if id(req) in queued:
+                    finish_now.append(req)
+            if finish_now:
+                self._waiting = deque(r for r in self._waiting if not r.aborted)
+            if len(finish_now) < len(targets):
+                self._abort_pending = True
+                self._cond.notify_all()
+        for req in finish_now:
+            self._finish(req, FINISH_ABORT)
+        return len(targets)
 
     def partial_requests(self, *, require_pause: bool = True) -> list[PartialRequest]:
         """Every request with generated tokens: in flight (running batch or awaiting
@@ -436,7 +482,8 @@ class InferenceEngine:
 
         Returns:
             A :class:`concurrent.futures.Future` resolving to the :class:`GenerationOutput`
-            (or to the decode thread's exception). Cancelling it drops the request.
+            (or to the decode thread's exception). Cancelling it drops the request. Its ``rid``
+            attribute (int) is the request id, for :meth:`abort`.
         """
         cfut: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -457,6 +504,7 @@ class InferenceEngine:
                     self._cond.notify_all()
 
         cfut.add_done_callback(on_done)
+        cfut.rid = req.rid
         self._enqueue(req)
         return cfut
 
@@ -652,6 +700,7 @@ class InferenceEngine:
                         while not (
                             self._stopping
                             or self._updates
+                            or self._abort_pending
                             or (
                                 not self._paused
                                 and (self._waiting or self._batch is not None or self._reencode)
@@ -673,6 +722,8 @@ class InferenceEngine:
                             break
                         if not paused:
                             self._step()
+                        elif self._abort_pending:  # abort() while paused: finish them now
+                            self._reap()
         except BaseException as e:  # crash: fail every request and update, keep the error
             log.exception("InferenceEngine decode thread crashed")
             self._crash(e)
@@ -699,22 +750,15 @@ class InferenceEngine:
             pending.future.set_exception(error)
 
     def _step(self) -> None:
-        """One scheduling round: drop cancelled requests, re-encode / admit, one decode step."""
+        """One scheduling round: drop cancelled / aborted requests, re-encode / admit, one
+        decode step."""
+        self._reap()
         with self._cond:
-            for rid in [rid for rid, r in self._live.items() if r.cancelled]:
-                del self._live[rid]
-            if self._waiting and any(r.cancelled for r in self._waiting):
-                self._waiting = deque(r for r in self._waiting if not r.cancelled)
-            self._reencode = [r for r in self._reencode if not r.cancelled]
             running = len(self._reencode) + (len(self._batch.reqs) if self._batch else 0)
             admit = []
             while self._waiting and running + len(admit) < self._max_batch_size:
                 admit.append(self._waiting.popleft())
             self._running_count = running + len(admit)
-        if self._batch is not None and any(r.cancelled for r in self._batch.reqs):
-            self._batch = _select(
-                self._batch, [i for i, r in enumerate(self._batch.reqs) if not r.cancelled]
-            )
         if self._reencode:
             reqs, self._reencode = self._reencode, []
             t0 = time.perf_counter()
@@ -731,6 +775,30 @@ class InferenceEngine:
             self._decode()
         with self._cond:
             self._running_count = len(self._batch.reqs) if self._batch else 0
+
+    def _reap(self) -> None:
+        """Drop cancelled requests and finish the ones :meth:`abort` flagged with their tokens
+        (decode thread, between two forward passes)."""
+        with self._cond:
+            self._abort_pending = False
+            for rid in [rid for rid, r in self._live.items() if r.cancelled]:
+                del self._live[rid]
+            gone = [r for r in self._waiting if r.cancelled or r.aborted]
+            if gone:
+                self._waiting = deque(r for r in self._waiting if not (r.cancelled or r.aborted))
+            gone += [r for r in self._reencode if r.cancelled or r.aborted]
+            self._reencode = [r for r in self._reencode if not (r.cancelled or r.aborted)]
+        if self._batch is not None and any(r.cancelled or r.aborted for r in self._batch.reqs):
+            gone += [r for r in self._batch.reqs if r.cancelled or r.aborted]
+            self._batch = _select(
+                self._batch,
+                [i for i, r in enumerate(self._batch.reqs) if not (r.cancelled or r.aborted)],
+            )
+        for req in gone:
+            if req.aborted and not req.cancelled and req.finish_reason is None:
+                self._finish(req, FINISH_ABORT)
+        with self._cond:
+            self._running_count = len(self._reencode) + (len(self._batch.reqs) if self._batch else 0)
 
     def _prefill(self, reqs: list[_Request]) -> None:
         """Encode ``prompt + response so far`` of ``reqs`` in fresh caches, sample each one's next

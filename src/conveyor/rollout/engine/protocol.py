@@ -45,8 +45,9 @@ class Engine(Protocol):
       (``require_pause=False``); each :class:`PartialRequest` carries the request's *shared*
       ``old_logprobs`` list, which the scorer extends in place.
 
-    Not in the protocol: there is no ``abort`` today (:meth:`stop` finishes every unfinished
-    request with ``finish_reason="abort"``); ``submit``, ``generate_batch``, ``paused``,
+    Not in the protocol: ``abort`` (``InferenceEngine.abort``, ``HttpEngine.abort``; used by
+    the engine server's ``/abort_request``, not by the runtime: :meth:`stop` finishes every
+    unfinished request with ``finish_reason="abort"``); ``submit``, ``generate_batch``, ``paused``,
     ``max_batch_size``, ``tokenizer`` and the context manager are ``InferenceEngine``
     conveniences, called only by code that built an ``InferenceEngine`` itself
     (``benchmarks/engine.py``, ``benchmarks/weight_sync.py``, tests).
