@@ -148,7 +148,7 @@ def test_ewma_resets_on_low_keep_rate_and_logs_event(tiny):
         lp, _ = tr._logprobs(tr.proximal.model, mb)
     for t in trajs:
         t.behaviour_logprobs = [0.0] * len(t.response_ids)
-    tr.events.clear()
+    assert [e["event"] for e in tr.take_events()] == ["ewma_reset"] and tr.take_events() == []
     ew = tr.proximal
     ew.on_optimizer_step(tr.model, window=2)  # a window 2 optimiser steps wide -> beta 0.5
     ew._kept, ew._counted = 99, 100

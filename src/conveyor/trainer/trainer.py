@@ -307,6 +307,12 @@ class Trainer:
         """The current parameters as a :class:`WeightUpdate` stamped with :attr:`version`."""
         return WeightUpdate.from_model(self.model, self.version)
 
+    def take_events(self) -> list[dict]:
+        """The proximal strategy's events since the previous call (each ``{"event": name,
+        ...}``, e.g. an EWMA reset), for the run log; the list is emptied."""
+        events, self.events = self.events, []
+        return events
+
     # ------------------------------------------------------------------ the update
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One policy update on a batch of trajectories; increments :attr:`version` by one.

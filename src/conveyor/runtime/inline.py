@@ -1,0 +1,306 @@
+"""The inline runtime: every component in one process (issue 12, section 1).
+
+Threads: the engine's decode loop (:class:`~conveyor.rollout.engine.InferenceEngine`), the rollout
+controller's asyncio loop (:class:`~conveyor.rollout.controller.RolloutController`), reward worker
+processes (:class:`~conveyor.rewards.RewardService`), and the trainer in the calling thread.
+Components share no mutable objects: the engine has its own copy of the weights and receives
+:class:`~conveyor.sync.WeightUpdate` messages through the publisher.
+
+- :func:`build_rollout`: the engine, rewards, workflow, staleness rule, buffer, controller and
+  publisher for a trainer (:class:`InlineRollout`).
+- :func:`train_loop`: the critic warm-up, then :func:`~conveyor.runtime.step.run_step` until
+  ``trainer.total_steps``, recording each step, evaluating every ``run.eval_every`` versions
+  and checkpointing every ``run.checkpoint_every``; the final checkpoint however it ends.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from conveyor.checkpoint import save_checkpoint
+from conveyor.config import TrainConfig
+from conveyor.data import DatasetError
+from conveyor.eval import evaluate
+from conveyor.faults import fault_point
+from conveyor.rewards import ANSWER_METRICS, RewardService
+from conveyor.rollout.buffer import TrajectoryBuffer
+from conveyor.rollout.controller import DataStream, RolloutController
+from conveyor.rollout.engine import InferenceEngine, SamplingParams
+from conveyor.rollout.staleness import StalenessManager
+from conveyor.rollout.workflow import EnvLatencyWorkflow, SingleTurnMathWorkflow
+from conveyor.rundir import RunContext, final_checkpoint
+from conveyor.runlog import MetricsLogger
+from conveyor.runtime.publish import Publisher, buffered_pending, publisher_for, tracks_partials
+from conveyor.runtime.record import RunClock, StepRecorder, batch_metrics
+from conveyor.runtime.step import LocalRollout, run_step
+from conveyor.runtime_files import atomic_write
+from conveyor.trainer.trainer import NonFiniteLossError, Trainer
+
+__all__ = ["InlineRollout", "LoopResult", "build_rollout", "critic_warmup", "heldout_eval", "train_loop"]
+
+
+def heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logger: MetricsLogger,
+                 run_dir: Path, progress: bool, reward_service: RewardService | None = None):
+    """Greedy pass@1 of the engine's current weights on ``samples``; written atomically to
+    ``RUN/eval_<label>.json`` and logged as an ``eval`` event at the latest log step.
+
+    Returns:
+        The :class:`~conveyor.eval.EvalResult`.
+    """
+    res = evaluate(
+        engine, tokenizer, samples, k=1, temperature=0.0, max_new_tokens=cfg.run.eval_max_new_tokens,
+        instruction=cfg.data.instruction, dataset=cfg.data.heldout, model_name=cfg.model.name, progress=progress,
+        tool=cfg.rollout.tool, max_tool_calls=cfg.rollout.max_tool_calls,
+        reward_service=reward_service,  # answer checks in the run's reward workers (metrics only)
+    )
+    atomic_write(run_dir / f"eval_{label}.json", res.write_json)  # never a half-written file
+    # version: the latest log step (the policy version; k - W during a critic warm-up of W steps)
+    logger.event("eval", label=label, **{k: v for k, v in res.summary().items() if not isinstance(v, dict)})
+    return res
+
+
+@dataclass
+class InlineRollout:
+    """The rollout side of an inline run and the publisher that feeds it weights.
+
+    Attributes:
+        engine: The local engine (its own deep copy of the policy, no gradients).
+        reward_service: Reward worker processes.
+        buffer / controller: The trajectory buffer and the rollout controller.
+        rollout: The :class:`~conveyor.runtime.step.RolloutPort` over both.
+        publisher: The proximal strategy's publisher (:func:`~conveyor.runtime.publish.publisher_for`).
+        batch_size: Trajectories per update (``trainer.batch_size x rollout.group_size``).
+    """
+
+    engine: InferenceEngine
+    reward_service: RewardService
+    buffer: TrajectoryBuffer
+    controller: RolloutController
+    rollout: LocalRollout
+    publisher: Publisher
+    batch_size: int
+
+
+def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, train_samples, *,
+                  engine_threads: int, logger: MetricsLogger, ctx: RunContext, n_too_long: int = 0,
+                  state: dict | None = None) -> InlineRollout:
+    """Start the engine and the reward workers and build the controller (not started) for
+    ``trainer`` (at its current version: a resumed run continues from ``state["controller"]``,
+    the checkpoint's data cursor, counters and buffered trajectories). Everything started is
+    registered on ``ctx`` to be stopped however the run ends.
+
+    Args:
+        n_too_long: Prompts dropped up front by the preflight (the controller's counter).
+        state: The checkpoint's ``state.pt`` contents when resuming.
+    """
+    engine_model = copy.deepcopy(trainer.model).eval()
+    for p in engine_model.parameters():
+        p.requires_grad_(False)
+    engine = InferenceEngine(engine_model, tokenizer, version=trainer.version, max_batch_size=cfg.rollout.max_batch_size,
+                             seed=cfg.run.seed + trainer.version, num_threads=engine_threads,
+                             track_partials=tracks_partials(trainer.proximal),
+                             reencode_on_update=cfg.rollout.reencode_on_update)
+    engine.start()
+    ctx.stack.callback(engine.stop)
+    reward_service = RewardService(reward_fn, timeout_s=cfg.reward.timeout_s,
+                                   failure_score=cfg.reward.failure_score, max_workers=cfg.reward.workers,
+                                   metrics=ANSWER_METRICS,  # correctness off the main process too
+                                   max_abs_score=cfg.reward.max_abs)
+    ctx.stack.callback(reward_service.close)
+    G = cfg.rollout.group_size
+    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                            min_p=cfg.rollout.min_p)
+    workflow = SingleTurnMathWorkflow(tokenizer, reward_service, params, group_size=G, instruction=cfg.data.instruction,
+                                      tool=cfg.rollout.tool, max_tool_calls=cfg.rollout.max_tool_calls)
+    lat = cfg.rollout.env_latency
+    if lat.median_s > 0:
+        workflow = EnvLatencyWorkflow(workflow, median_s=lat.median_s, sigma=lat.sigma, max_s=lat.max_s, seed=lat.seed + trainer.version)
+    eta = cfg.asynchronous.eta
+    B = cfg.trainer.batch_size * G  # trajectories per update
+    staleness = StalenessManager(batch_size=B, eta=eta, max_concurrent=max(cfg.rollout.max_concurrent, G))
+    buffer = TrajectoryBuffer(eta, on_drop=staleness.on_drop)
+    controller = RolloutController(
+        engine, workflow, DataStream(train_samples, seed=cfg.data.shuffle_seed), staleness, buffer,
+        group_size=G, filter_all_equal=cfg.rollout.filter_all_equal,
+        max_filtered_in_a_row=cfg.rollout.max_filtered_in_a_row, version=trainer.version,
+        on_skip=lambda s, why: logger.event("prompt_too_long", sample=s.id, reason=why),
+    )
+    ctx.stack.callback(controller.stop)
+    # prompts dropped up front (on resume, restore() puts back the checkpoint's count)
+    controller.stats.prompts_too_long = n_too_long
+    controller.set_warmup_batches(trainer.critic_warmup_done)
+    if state is not None:
+        controller.restore(state["controller"], trainer.version)
+    # the publish phase: the weights go to the engine, with what the proximal strategy needs
+    publisher = publisher_for(trainer.proximal, engine, lambda: buffered_pending(buffer))
+    return InlineRollout(engine, reward_service, buffer, controller, LocalRollout(controller, buffer), publisher, B)
+
+
+def critic_warmup(trainer: Trainer, cfg: TrainConfig, parts: InlineRollout, logger: MetricsLogger, run_dir: Path,
+                  console, health, stop, clock: RunClock) -> float:
+    """The critic warm-up (``critic.warmup_steps``; SAO's cold start, MISSION.md section 3):
+    critic-only steps on batches of the frozen initial policy's rollouts, before any policy
+    update. Each step is logged (``critic_warmup.jsonl``, TensorBoard ``critic_warmup/*``, the
+    batch in ``trained.jsonl`` with ``phase: critic_warmup``) and checkpointed as
+    ``warmup_<k>`` every ``run.checkpoint_every`` steps, so a resume continues mid-warm-up.
+
+    Returns:
+        Seconds the trainer was busy.
+    """
+    total = cfg.critic.warmup_steps
+    controller = parts.controller
+    busy = 0.0
+    console.print(f"critic warm-up: {total - trainer.critic_warmup_done} critic-only steps on rollouts of the "
+                  f"initial policy ({trainer.critic_note})")
+    while trainer.in_critic_warmup and not stop.is_set():
+        batch = parts.rollout.next_batch(parts.batch_size, trainer.version, health=health, stop=stop)
+        if batch is None:
+            break
+        t0 = time.perf_counter()
+        metrics = trainer.critic_warmup_step(batch)
+        controller.set_warmup_batches(trainer.critic_warmup_done)
+        busy += time.perf_counter() - t0
+        k = trainer.critic_warmup_done
+        metrics.update(clock.busy(busy))
+        logger.warmup(trainer.log_step, k, metrics)
+        logger.trained(trainer.log_step, batch, not_trained=controller.take_not_trained(), phase="critic_warmup")
+        vl = f"value loss {metrics.get('critic/value_loss', float('nan')):.4f}"
+        if cfg.critic.updates_per_step > 1:  # the loss before the first and before the last update
+            vl += f" -> {metrics.get('critic/value_loss_last', float('nan')):.4f}"
+        console.print(f"critic warm-up {k}/{total}: {vl}, explained variance "
+                      f"{metrics.get('critic/explained_variance', float('nan')):.3f}, reward "
+                      f"{metrics['reward/mean']:.3f} ({metrics['time/critic_warmup_step_s']:.1f} s)")
+        fault_point("step_end")  # chaos suite: a kill between steps
+        if k % cfg.run.checkpoint_every == 0 and trainer.in_critic_warmup:
+            p = save_checkpoint(run_dir, trainer, controller, keep=cfg.run.keep_checkpoints)
+            logger.event("checkpoint", path=str(p), version=trainer.log_step)
+    return busy
+
+
+@dataclass
+class LoopResult:
+    """How the training loop ended.
+
+    Attributes:
+        wall_s: Seconds of the loop (this process segment).
+        trainer_busy_s: Trainer-side busy seconds (warm-up, updates, publishes).
+        engine_busy_s: Engine busy seconds over the same window (<= wall_s).
+        interrupted: A Ctrl-C / SIGTERM stopped it after a step.
+        error: The exception that ended it (re-raised by the caller after the final checkpoint
+            and the engine statistics are written), or None.
+        mean_proximal_s / mean_train_step_s: Means over the recorded steps (s).
+    """
+
+    wall_s: float
+    trainer_busy_s: float
+    engine_busy_s: float
+    interrupted: bool
+    error: BaseException | None = None
+    mean_proximal_s: float = 0.0
+    mean_train_step_s: float = 0.0
+    engine_stats: dict = field(default_factory=dict)
+
+
+def _health(controller):
+    def health():
+        if isinstance(controller.error, DatasetError):  # e.g. every prompt too long: a clear error
+            raise controller.error
+        if controller.error is not None:
+            raise RuntimeError(f"rollout controller crashed: {controller.error!r}") from controller.error
+    return health
+
+
+def train_loop(cfg: TrainConfig, trainer: Trainer, parts: InlineRollout, logger: MetricsLogger, run_dir: Path,
+               console, ctx: RunContext, *, tokenizer, heldout, progress: bool) -> LoopResult:
+    """Train until ``trainer.total_steps`` (module docstring). The first Ctrl-C stops it after
+    the current step; any error is caught, the final checkpoint written
+    (:func:`~conveyor.rundir.final_checkpoint`) and the error returned in the result; threads
+    are stopped (the engine stays up for the evaluation after training).
+
+    Args:
+        tokenizer / heldout: For the evaluations every ``run.eval_every`` versions.
+        progress: Show the progress bar (otherwise a console line every 5 steps).
+    """
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    engine, controller, publisher = parts.engine, parts.controller, parts.publisher
+    total = cfg.trainer.total_steps
+    ctx.phase = "training"
+    stop: threading.Event = ctx.interrupts.begin_graceful()  # first Ctrl-C: finish the step, checkpoint, stop
+    health = _health(controller)
+    publisher.start(trainer)
+    controller.start()
+    clock = RunClock(engine.stats)
+    bar = Progress(
+        TextColumn("[bold]train[/] step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"), console=console, disable=not progress,
+    )
+    task = bar.add_task("train", total=total, completed=trainer.version, info="waiting for rollouts")
+    recorder = StepRecorder(logger, controller, console, bar, task, total, progress)
+    error: BaseException | None = None
+    bookkeeping_s: float | None = None
+    try:
+        with bar:
+            if trainer.in_critic_warmup:
+                clock.add_busy(critic_warmup(trainer, cfg, parts, logger, run_dir, console, health, stop, clock))
+            while trainer.version < total and not stop.is_set() and not trainer.in_critic_warmup:
+                try:
+                    out = run_step(trainer, parts.rollout, publisher, parts.batch_size, health=health, stop=stop)
+                except NonFiniteLossError as e:  # the step still counts: log it, then stop
+                    recorder.nonfinite(trainer.version, e.metrics, e.batch, controller.take_not_trained())
+                    raise
+                if out is None:
+                    break
+                clock.add_busy(out.busy_s)
+                t_rec = time.perf_counter()
+                metrics = out.metrics
+                if bookkeeping_s is not None:
+                    metrics["time/bookkeeping_s"] = bookkeeping_s  # logging + checkpoint of the previous step
+                metrics.update(batch_metrics(out.batch))
+                metrics.update(clock.tick())
+                metrics.update(parts.rollout.counters())
+                recorder.step(trainer.version, metrics, out.batch, parts.rollout.take_not_trained(),
+                              trainer.take_events())
+                fault_point("step_end")  # chaos suite: a kill between steps
+                if heldout and cfg.run.eval_every and trainer.version % cfg.run.eval_every == 0 and trainer.version < total:
+                    # a held-out curve point (before the checkpoint: a kill here redoes the step and this)
+                    res = heldout_eval(engine, tokenizer, cfg, heldout, f"step_{trainer.version}", logger, run_dir,
+                                       False, parts.reward_service)
+                    logger.scalars(trainer.version, {"heldout/pass_at_1": res.pass_at_1,
+                                                     "heldout/format_rate": res.format_rate})
+                    console.print(f"  held-out pass@1 at version {trainer.version}: {res.pass_at_1:.3f} "
+                                  f"({res.wall_seconds:.0f} s)")
+                # the checkpoint of the last step is the final one (run.final_checkpoint), below
+                if trainer.version % cfg.run.checkpoint_every == 0 and trainer.version < total:
+                    p = save_checkpoint(run_dir, trainer, controller, keep=cfg.run.keep_checkpoints)
+                    logger.event("checkpoint", path=str(p), version=trainer.version)
+                bookkeeping_s = time.perf_counter() - t_rec
+    except BaseException as e:  # still write a checkpoint: nothing already computed is lost
+        error = e
+    finally:
+        wall = clock.wall()
+        eng_end = engine.stats()  # read with `wall`: busy seconds and wall-clock cover one window
+        interrupted = ctx.interrupts.requested
+        controller.stop()
+        publisher.stop()
+        ctx.phase = "the final checkpoint"
+        final_checkpoint(run_dir, trainer, controller, logger, cfg, error, interrupted)
+        ctx.interrupts.end_graceful()  # from here a Ctrl-C stops at once
+    # <= wall by definition: the engine adds a forward pass's seconds when it ends, so one that
+    # began before the loop counts whole; in a short segment (a resume with nothing left to
+    # train) that alone gave 1.09-1.35 x wall
+    engine_busy = min(wall, clock.engine_busy_since_start(eng_end))
+    prox_s, train_s = recorder.mean_seconds()
+    return LoopResult(wall, clock.trainer_busy, engine_busy, interrupted, error, prox_s, train_s, eng_end)

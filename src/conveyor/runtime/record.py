@@ -1,0 +1,154 @@
+"""The record phase of the step protocol (issue 12, section 1): per-step metrics, the run's logs
+and the progress display, written once for every runtime.
+
+- :class:`RunClock`: wall-clock and busy seconds of one process segment (trainer and engine).
+- :func:`batch_metrics`: what a batch of trajectories says about the rollouts (accuracy, format,
+  reward failures, truncation, lengths).
+- :class:`StepRecorder`: one step's row in ``metrics.jsonl`` / TensorBoard, its batch in
+  ``trained.jsonl``, the trainer's events, the progress bar or console line.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from conveyor.rundir import report_failures
+from conveyor.runlog import FailureCounter, MetricsLogger
+from conveyor.types import Trajectory
+
+__all__ = ["RunClock", "StepRecorder", "batch_metrics"]
+
+
+class RunClock:
+    """Wall-clock and busy time of one process segment, from construction on.
+
+    Args:
+        engine_stats: ``() -> dict`` with the engine's cumulative ``busy_seconds`` (s),
+            ``generated_tokens`` and ``pause_seconds_total`` (s)
+            (:meth:`~conveyor.rollout.engine.Engine.stats`).
+
+    Attributes:
+        trainer_busy: Seconds the trainer side was busy so far (add with :meth:`add_busy`).
+    """
+
+    def __init__(self, engine_stats):
+        self.engine_stats = engine_stats
+        self.t_start = time.perf_counter()
+        self.eng0 = engine_stats()
+        self.trainer_busy = 0.0
+        self._last_eng, self._last_t = self.eng0, self.t_start
+
+    def add_busy(self, seconds: float) -> None:
+        """Count ``seconds`` of trainer work."""
+        self.trainer_busy += seconds
+
+    def wall(self) -> float:
+        """Seconds since the segment started."""
+        return time.perf_counter() - self.t_start
+
+    def engine_busy_since_start(self, stats: dict | None = None) -> float:
+        """Engine busy seconds since the segment started (``stats``: a snapshot to read)."""
+        stats = stats if stats is not None else self.engine_stats()
+        return stats["busy_seconds"] - self.eng0["busy_seconds"]
+
+    def busy(self, trainer_busy_s: float) -> dict[str, float]:
+        """``time/elapsed_s`` and the busy fractions with ``trainer_busy_s`` trainer seconds
+        (the critic warm-up's rows)."""
+        wall_s = max(self.wall(), 1e-9)
+        return {"time/elapsed_s": wall_s, "busy/trainer": trainer_busy_s / wall_s,
+                "busy/engine": self.engine_busy_since_start() / wall_s}
+
+    def tick(self) -> dict[str, float]:
+        """The step's timing metrics since the previous tick: generation throughput (tokens/s),
+        busy fractions over the segment, the step's wall-clock and the elapsed time (s)."""
+        now = time.perf_counter()
+        eng = self.engine_stats()
+        wall = now - self.t_start
+        out = {
+            "throughput/generated_tokens_per_s":
+                (eng["generated_tokens"] - self._last_eng["generated_tokens"]) / max(1e-9, now - self._last_t),
+            "busy/trainer": self.trainer_busy / wall,
+            "busy/engine": self.engine_busy_since_start(eng) / wall,
+            "time/step_wall_s": now - self._last_t,
+            "time/elapsed_s": wall,
+            "engine/pause_seconds_total": eng.get("pause_seconds_total", 0.0),
+        }
+        self._last_eng, self._last_t = eng, now
+        return out
+
+
+def batch_metrics(batch: list[Trajectory]) -> dict[str, float]:
+    """Rollout statistics of a non-empty batch: shares of correct answers, well-formatted
+    answers, unknown correctness (the answer check timed out / crashed: counted as wrong in the
+    accuracy), failed rewards and truncated responses; response length mean / max (tokens)."""
+    n = len(batch)
+    lengths = [len(t.response_ids) for t in batch]
+    return {
+        "rollout/accuracy": sum(bool(t.correct) for t in batch) / n,
+        "rollout/format_rate": sum(bool(t.metadata.get("format_ok")) for t in batch) / n,
+        "rollout/correct_unknown_share": sum(t.correct is None for t in batch) / n,
+        "rollout/reward_failed_share": sum(bool(t.metadata.get("reward_failed")) for t in batch) / n,
+        "rollout/truncated_share": sum(t.finish_reason == "length" for t in batch) / n,
+        "response/length_mean": sum(lengths) / n,
+        "response/length_max": float(max(lengths)),
+    }
+
+
+class StepRecorder:
+    """Writes each step to the run's logs and shows progress.
+
+    Args:
+        logger: The run's :class:`~conveyor.runlog.MetricsLogger`.
+        controller: The rollout controller (reward-failure counts for the console line).
+        console: A ``rich`` console.
+        bar: A ``rich.progress.Progress`` (disabled when the progress display is off) and
+            ``task``: its task id.
+        total: ``trainer.total_steps``.
+        progress: Whether the progress bar is shown (otherwise a console line every 5 steps).
+    """
+
+    def __init__(self, logger: MetricsLogger, controller, console, bar, task, total: int, progress: bool):
+        self.logger, self.controller, self.console = logger, controller, console
+        self.bar, self.task, self.total, self.progress = bar, task, total, progress
+        self.failures = FailureCounter()
+        self.proximal_seconds: list[float] = []
+        self.train_seconds: list[float] = []
+
+    def nonfinite(self, version: int, metrics: dict[str, Any], batch, not_trained: list[dict]) -> None:
+        """A step whose loss stayed non-finite (it counts: logged before the run stops)."""
+        self.logger.log(version, metrics)
+        self.logger.trained(version, batch, not_trained=not_trained)
+        self.logger.event("skipped_nonfinite", version=version)
+
+    def step(self, version: int, metrics: dict[str, Any], batch, not_trained: list[dict],
+             events: list[dict]) -> None:
+        """Record step ``version``: its metrics row, its batch, the trainer's ``events`` (each
+        ``{"event": name, ...}``; ``proximal`` when unnamed), the progress display."""
+        self.proximal_seconds.append(metrics.get("time/proximal_s", 0.0))
+        self.train_seconds.append(metrics.get("time/train_step_s", 0.0))
+        self.logger.log(version, metrics)
+        self.logger.trained(version, batch, not_trained=not_trained)
+        if metrics["train/skipped_nonfinite"]:
+            self.logger.event("skipped_nonfinite", version=version)
+        for ev in events:
+            ev = dict(ev)
+            self.logger.event(ev.pop("event", "proximal"), **ev)
+        self.bar.update(self.task, completed=version, info=(
+            f"reward {metrics['reward/mean']:.2f}  acc {metrics['rollout/accuracy']:.2f}  "
+            f"stale {metrics['staleness/mean']:.1f}/{metrics['staleness/max']:.0f}  "
+            f"gen {metrics['throughput/generated_tokens_per_s']:.0f} tok/s  "
+            f"busy T {metrics['busy/trainer']:.2f} E {metrics['busy/engine']:.2f}"))
+        if not self.progress and (version % 5 == 0 or version in (1, self.total)):
+            self.console.print(
+                f"step {version}/{self.total} reward {metrics['reward/mean']:.3f} acc {metrics['rollout/accuracy']:.3f} "
+                f"staleness {metrics['staleness/mean']:.2f} gen {metrics['throughput/generated_tokens_per_s']:.0f} tok/s "
+                f"busy trainer {metrics['busy/trainer']:.2f} engine {metrics['busy/engine']:.2f} "
+                f"({metrics['time/elapsed_s']:.0f} s)")
+        report_failures(self.failures, self.controller, self.console)
+
+    def mean_seconds(self) -> tuple[float, float]:
+        """Mean proximal and train-step seconds over the recorded steps (0 when none)."""
+        def mean(xs):
+            return sum(xs) / len(xs) if xs else 0.0
+        return mean(self.proximal_seconds), mean(self.train_seconds)

@@ -1,0 +1,135 @@
+"""The step protocol, written once for every runtime (issue 12, section 1; MISSION.md section 1):
+
+1. wait for a batch the staleness rule admits at the trainer's version (:class:`RolloutPort`);
+2. train on it (the trainer; the publisher's ``before_step`` first, e.g. the dedicated old-logit
+   worker must have scored every older version);
+3. publish the new weights (:class:`~conveyor.runtime.publish.Publisher`: interrupt the engine,
+   or partial-sync, or hand the outgoing tokens to the dedicated worker);
+4. tell the rollout side the new version, only after the engine has it, so the capacity rule
+   never admits a rollout of a version the engine does not run yet.
+
+Recording (metrics rows, trained batches, evaluation, checkpoints) is the caller's
+(:mod:`conveyor.runtime.record`, :mod:`conveyor.runtime.inline`). The step talks to the rollout
+side only through :class:`RolloutPort`, so the same function drives the in-process controller
+(:class:`LocalRollout`) and, later, a rollout actor in another process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from conveyor.rollout.controller import wait_for_batch
+from conveyor.trainer.trainer import NonFiniteLossError
+from conveyor.types import Trajectory
+
+__all__ = ["LocalRollout", "RolloutPort", "StepOutcome", "run_step"]
+
+
+@runtime_checkable
+class RolloutPort(Protocol):
+    """What the step protocol needs from the rollout side (controller, staleness rule, buffer)."""
+
+    def next_batch(self, n: int, version: int, *, health: Callable[[], None] | None = None,
+                   stop: threading.Event | None = None) -> list[Trajectory] | None:
+        """Block until ``n`` trajectories admissible at trainer ``version`` are buffered and
+        return them (oldest first); None when ``stop`` is set first. ``health`` is called while
+        waiting and raises to abort (e.g. the controller crashed)."""
+        ...
+
+    def set_version(self, version: int) -> None:
+        """The engine now samples ``version``: admit rollouts against it."""
+        ...
+
+    def counters(self) -> dict[str, float]:
+        """The controller's counters (``rollout/*``) for the step's metrics row."""
+        ...
+
+    def take_not_trained(self) -> list[dict]:
+        """Trajectories dropped since the previous call (stale, filtered), for ``trained.jsonl``."""
+        ...
+
+
+class LocalRollout:
+    """:class:`RolloutPort` over an in-process :class:`~conveyor.rollout.controller.RolloutController`
+    and its :class:`~conveyor.rollout.buffer.TrajectoryBuffer`.
+
+    Args:
+        controller: The rollout controller (its own asyncio thread).
+        buffer: The buffer the controller fills and the staleness rule empties.
+    """
+
+    def __init__(self, controller, buffer):
+        self.controller = controller
+        self.buffer = buffer
+
+    def next_batch(self, n: int, version: int, *, health=None, stop=None) -> list[Trajectory] | None:
+        return wait_for_batch(self.buffer, n, lambda: version, health_fn=health, stop=stop)
+
+    def set_version(self, version: int) -> None:
+        self.controller.set_version(version)
+
+    def counters(self) -> dict[str, float]:
+        return self.controller.counters()
+
+    def take_not_trained(self) -> list[dict]:
+        return self.controller.take_not_trained()
+
+
+@dataclass
+class StepOutcome:
+    """One finished step.
+
+    Attributes:
+        batch: The trajectories trained on (``B`` = trainer.batch_size x group_size).
+        metrics: The trainer's metrics plus the publish phase's (``time/weight_sync_s``: the
+            publish and version hand-over, s; ``time/proximal_s`` includes partial-sync scoring).
+        busy_s: Seconds the trainer side was busy (update + publish), for the busy fraction.
+    """
+
+    batch: list[Trajectory]
+    metrics: dict[str, float]
+    busy_s: float
+
+
+def run_step(trainer, rollout: RolloutPort, publisher, batch_size: int, *,
+             health: Callable[[], None] | None = None,
+             stop: threading.Event | None = None) -> StepOutcome | None:
+    """One step of the protocol (module docstring): batch, update, publish, version.
+
+    Args:
+        trainer: The :class:`~conveyor.trainer.trainer.Trainer` (``version``, ``train_step``,
+            ``weight_update``).
+        rollout: The rollout side.
+        publisher: The :class:`~conveyor.runtime.publish.Publisher` of the proximal strategy.
+        batch_size: Trajectories per update.
+        health: Called while waiting for the batch (raises to abort).
+        stop: When set while waiting, the step is not taken.
+
+    Returns:
+        The :class:`StepOutcome`, or None when ``stop`` was set before a batch was ready.
+
+    Raises:
+        NonFiniteLossError: the update gave a non-finite loss too many times in a row; the
+            error's ``batch`` attribute holds the batch (the step counts: the caller logs it).
+        Whatever ``health`` raises.
+    """
+    batch = rollout.next_batch(batch_size, trainer.version, health=health, stop=stop)
+    if batch is None:
+        return None
+    t0 = time.perf_counter()
+    publisher.before_step(trainer)
+    try:
+        metrics = trainer.train_step(batch)
+    except NonFiniteLossError as e:
+        e.batch = batch
+        raise
+    t_sync = time.perf_counter()
+    metrics.update(publisher.publish(trainer))
+    metrics["time/proximal_s"] += metrics.get("time/partial_sync_s", 0.0)
+    rollout.set_version(trainer.version)
+    metrics["time/weight_sync_s"] = time.perf_counter() - t_sync
+    return StepOutcome(batch, metrics, time.perf_counter() - t0)
