@@ -92,12 +92,11 @@ def test_shipped_default_config_file_matches_the_code_defaults():
     assert load_config(path) == TrainConfig()
 
 
-def test_runtime_proximal_methods_refuse_tool_episodes():
-    import pytest
-
-    with pytest.raises(ConfigError, match="rollout.tool"):
-        load_config(None, ["proximal.method=partial_sync", "rollout.tool=calculator"])
-    assert load_config(None, ["proximal.method=partial_sync", "rollout.tool=none"]).proximal.method == "partial_sync"
+def test_runtime_proximal_methods_accept_tool_episodes():
+    # old log-probs follow trajectory token spans (issue 12): tool episodes are no longer refused
+    for method in ("partial_sync", "dedicated"):
+        cfg = load_config(None, [f"proximal.method={method}", "rollout.tool=calculator"])
+        assert cfg.proximal.method == method and cfg.rollout.tool == "calculator"
 
 
 def test_settings_that_can_never_learn_are_refused():

@@ -354,7 +354,8 @@ def test_partial_sync_equals_oracle_for_the_tokens_it_covers(tiny):
     import time
 
     from conveyor.rollout.engine import InferenceEngine, SamplingParams
-    from conveyor.trainer.proximal import score_partials
+    from conveyor.rollout.old_logprobs import OldLogprobBook
+    from conveyor.runtime.publish import scoring_items
 
     tr = _trainer(tiny, "partial_sync", eta=4)
     eng_model = copy.deepcopy(tiny.model)
@@ -362,34 +363,43 @@ def test_partial_sync_equals_oracle_for_the_tokens_it_covers(tiny):
     prompts = [[5 + i, 17, 300 + i, 42] for i in range(3)]
     weights = {0: WeightUpdate.from_model(eng_model, 0)}
     gen = torch.Generator().manual_seed(0)
+    book = OldLogprobBook()  # the rollout side's store: patches are messages, nothing shared
+    spec = tr.scoring_spec()
     eng.start()
     try:
         with pytest.raises(RuntimeError, match="paused"):
             eng.partial_requests()
+        with pytest.raises(RuntimeError, match="paused"):
+            eng.score_old_logprobs(spec, [])
         futs = [eng.submit(p, SamplingParams(max_new_tokens=400, temperature=1.0, ignore_eos=True)) for p in prompts]
         for v in (1, 2):
             start = eng.stats()["decode_steps"]
             while eng.stats()["decode_steps"] < start + 10:
                 time.sleep(0.0005)
             eng.pause()
-            score_partials(tr, eng.model, eng.partial_requests(), eng.version)
+            patches, n = eng.score_old_logprobs(spec, scoring_items(eng.partial_requests(), []))
+            assert n > 0 and {p.version for p in patches} == {v - 1} and book.apply(patches) == n
             new = {k: t + 0.05 * torch.randn(t.shape, generator=gen) * t.abs().mean()
-                   for k, t in WeightUpdate.from_model(eng.model, v).tensors.items()}
+                   for k, t in WeightUpdate.from_model(eng_model, v).tensors.items()}
             eng.update_weights(WeightUpdate(version=v, tensors=new))
-            weights[v] = WeightUpdate.from_model(eng.model, v)
+            weights[v] = WeightUpdate.from_model(eng_model, v)
             eng.resume()
         outs = [f.result() for f in futs]
         eng.pause()
         parts = eng.partial_requests()  # the finished requests, remembered until this call
         assert len(parts) == 3 and all(p.finished for p in parts)
-        score_partials(tr, eng.model, parts, eng.version)
+        assert {p.key for p in parts} == {o.key for o in outs} and all(o.key for o in outs)
+        patches, n = eng.score_old_logprobs(spec, scoring_items(parts, []))
+        book.apply(patches)
         assert eng.partial_requests() == []  # forgotten after the call
     finally:
         eng.stop()
+    trajs = [traj_of(o) for o in outs]
+    assert book.attach(trajs) == sum(len(o.token_ids) for o in outs)  # every token covered
+    assert len(book) == 0  # handed out: forgotten
     model = copy.deepcopy(tr.model)
-    for o in outs:
+    for o, t in zip(outs, trajs, strict=True):
         assert set(o.versions) == {0, 1, 2}  # every request spans three versions
-        assert len(o.old_logprobs) == len(o.token_ids)  # every token covered
         seq = pack_one(o)
         expect = torch.zeros(len(o.token_ids))
         for u, upd in weights.items():
@@ -399,7 +409,15 @@ def test_partial_sync_equals_oracle_for_the_tokens_it_covers(tiny):
             lp = lp[seq.mask > 0]
             sel = torch.tensor(o.versions) == u
             expect[sel] = lp[sel]
-        assert torch.allclose(torch.tensor(o.old_logprobs), expect, atol=1e-5)
+        assert torch.allclose(torch.tensor(t.metadata["old_logprobs"]), expect, atol=1e-5)
+
+
+def traj_of(o):
+    from conveyor.types import Sample, Trajectory
+
+    return Trajectory(sample=Sample("x", "", "", ""), group_id="g", prompt_ids=o.prompt_ids, response_ids=o.token_ids,
+                      behaviour_logprobs=list(o.logprobs), versions=o.versions,
+                      metadata={"request_spans": [list(sp) for sp in o.spans()]})
 
 
 def pack_one(o):
@@ -436,22 +454,23 @@ def test_dedicated_worker_scores_with_the_retired_version_then_loads_the_next(ti
     assert isinstance(ded, Dedicated) and ded.extra_bytes() == param_bytes(tr.model)
     ded.start(tr)
     try:
-        trajs = make_trajs(3, version=0)
-        for t in trajs:
-            t.versions = [0] * len(t.response_ids)
+        from conveyor.rollout.old_logprobs import OldLogprobBook, items_of_trajectory
 
-        class View:
-            def __init__(self, t):
-                self.prompt_ids, self.token_ids, self.versions = t.prompt_ids, t.response_ids, t.versions
-                self.old_logprobs = t.metadata.setdefault("old_logprobs", [])
+        trajs = make_trajs(3, version=0)
+        for i, t in enumerate(trajs):
+            t.versions = [0] * len(t.response_ids)
+            t.metadata["request_spans"] = [[f"e:{i}", 0, len(t.response_ids)]]
 
         expect = [reference_logprobs(tr.model, t) for t in trajs]  # version-0 weights (bf16 off)
         new = copy.deepcopy(tr.model)
         with torch.no_grad():
             for p in new.parameters():
                 p.add_(0.01)
-        ded.retire([View(t) for t in trajs], WeightUpdate.from_model(new, 1))
+        book = OldLogprobBook()
+        ded.retire([items_of_trajectory(t) for t in trajs], WeightUpdate.from_model(new, 1), book.apply)
         assert ded.wait_retired(1) >= 0.0
+        assert len(book) == 3  # delivered before wait_retired returned
+        book.attach(trajs)
         for t, e in zip(trajs, expect, strict=True):
             assert torch.allclose(torch.tensor(t.metadata["old_logprobs"]), e, atol=1e-4)
         assert ded.version == 1 and ded.retired == 0

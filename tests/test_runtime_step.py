@@ -56,6 +56,12 @@ class FakeRollout:
     def take_not_trained(self):
         return []
 
+    def buffered(self):
+        return []
+
+    def apply_old_logprobs(self, patches):
+        self.calls.append(("patches", len(patches)))
+
 
 class FakePublisher:
     def __init__(self, calls, partial_sync_s=0.0):
@@ -73,7 +79,8 @@ def test_run_step_phases_in_order_and_version_handed_over_after_the_publish():
     calls = Calls()
     batch = [traj(), traj(), traj()]
     out = run_step(FakeTrainer(calls), FakeRollout(calls, batch), FakePublisher(calls, partial_sync_s=0.25), 2)
-    assert calls == [("next_batch", 2, 3), ("before_step", 3), ("train", 3, 2), ("publish", 4), ("set_version", 4)]
+    # before_step first: e.g. the dedicated worker's patches are delivered before the batch leaves
+    assert calls == [("before_step", 3), ("next_batch", 2, 3), ("train", 3, 2), ("publish", 4), ("set_version", 4)]
     assert out.batch == batch[:2]
     # partial-sync scoring is proximal time too
     assert out.metrics["time/proximal_s"] == pytest.approx(0.75)
@@ -85,7 +92,7 @@ def test_run_step_returns_none_when_stopped_and_trains_nothing():
     stop = threading.Event()
     stop.set()
     assert run_step(FakeTrainer(calls), FakeRollout(calls, [traj()]), FakePublisher(calls), 1, stop=stop) is None
-    assert [c[0] for c in calls] == ["next_batch"]
+    assert [c[0] for c in calls] == ["before_step", "next_batch"]
 
 
 def test_run_step_health_error_propagates():
@@ -95,7 +102,7 @@ def test_run_step_health_error_propagates():
     calls = Calls()
     with pytest.raises(RuntimeError, match="crashed"):
         run_step(FakeTrainer(calls), FakeRollout(calls, [traj()]), FakePublisher(calls), 1, health=health)
-    assert [c[0] for c in calls] == ["next_batch"]
+    assert [c[0] for c in calls] == ["before_step", "next_batch"]
 
 
 def test_run_step_nonfinite_loss_carries_its_batch_and_publishes_nothing():
@@ -104,7 +111,7 @@ def test_run_step_nonfinite_loss_carries_its_batch_and_publishes_nothing():
     with pytest.raises(NonFiniteLossError) as e:
         run_step(FakeTrainer(calls, fail=True), FakeRollout(calls, batch), FakePublisher(calls), 2)
     assert e.value.batch == batch
-    assert [c[0] for c in calls] == ["next_batch", "before_step", "train"]
+    assert [c[0] for c in calls] == ["before_step", "next_batch", "train"]
 
 
 def test_local_rollout_is_a_rollout_port_over_the_buffer():
@@ -121,13 +128,25 @@ def test_local_rollout_is_a_rollout_port_over_the_buffer():
         def take_not_trained(self):
             return [{"reason": "stale"}]
 
+        def hand_out(self, batch):
+            self.handed = list(batch)
+            return batch
+
+        def apply_old_logprobs(self, patches):
+            self.patches = patches
+
     buf = TrajectoryBuffer(1)
     buf.put([traj(), traj()])
     c = Controller()
     port = LocalRollout(c, buf)
-    assert isinstance(port, RolloutPort)
+    assert isinstance(port, RolloutPort) and isinstance(FakeRollout([], []), RolloutPort)
+    buf.put([traj(), traj()])
+    assert len(port.buffered()) == 4  # read-only view, nothing taken
     got = port.next_batch(2, 0)
-    assert len(got) == 2 and buf.size() == 0
+    assert len(got) == 2 and buf.size() == 2 and c.handed == got  # old log-probs attached on the way out
+    port.apply_old_logprobs(["p"])
+    assert c.patches == ["p"]
+    port.next_batch(2, 0)
     stop = threading.Event()
     stop.set()
     assert port.next_batch(1, 0, stop=stop) is None  # nothing buffered: the stop wins

@@ -200,27 +200,45 @@ def test_train_step_behaviour_weight_is_one_at_staleness_zero(rollouts, monkeypa
 
 
 def test_partial_sync_scoring_replays_the_sets(rollouts):
-    """score_partials (partial_sync / dedicated) renormalises the old log-probs over the sets."""
+    """score_old_logprobs (partial_sync / dedicated) renormalises the old log-probs over the sets."""
     from conveyor.rollout.engine import PartialRequest
-    from conveyor.trainer.proximal import score_partials
+    from conveyor.rollout.old_logprobs import OldLogprobBook
+    from conveyor.runtime.publish import scoring_items
+    from conveyor.trainer.proximal import score_old_logprobs
 
     model, outs = rollouts
     tr = _trainer(model, method="partial_sync")
     parts = [
-        PartialRequest(i, o.prompt_ids, o.token_ids, o.versions, [], True, o.sampling_mask)
+        PartialRequest(i, o.prompt_ids, o.token_ids, o.versions, f"e:{i}", True, o.sampling_mask)
         for i, o in enumerate(outs)
     ]
-    assert score_partials(tr, tr.model, parts, 0) == sum(len(o.token_ids) for o in outs)
-    for p, o in zip(parts, outs, strict=True):
-        assert torch.allclose(torch.tensor(p.old_logprobs), torch.tensor(o.logprobs), atol=1e-4)
-    # buffered trajectories (e.g. restored from a checkpoint) are scored through train._TrajView
-    from conveyor.train import _TrajView
-
+    patches, n = score_old_logprobs(tr.scoring_spec(), tr.model, scoring_items(parts, []), 0)
+    assert n == sum(len(o.token_ids) for o in outs)
+    by_key = {p.key: p for p in patches}
+    for i, o in enumerate(outs):
+        p = by_key[f"e:{i}"]
+        assert p.start == 0 and p.version == 0
+        assert torch.allclose(torch.tensor(p.values), torch.tensor(o.logprobs), atol=1e-4)
+    # buffered trajectories (e.g. restored from a checkpoint) are scored through their request spans
     trajs = [_traj(i, o, i) for i, o in enumerate(outs)]
-    assert score_partials(tr, tr.model, [_TrajView(t) for t in trajs], 0) == len(parts) * 20
+    for i, t in enumerate(trajs):
+        t.metadata["request_spans"] = [[f"b:{i}", 0, len(t.response_ids)]]
+    items = scoring_items([], trajs)
+    patches, n = score_old_logprobs(tr.scoring_spec(), tr.model, items, 0)
+    assert n == len(parts) * 20
+    book = OldLogprobBook()
+    book.apply(patches)
+    book.attach(trajs)
     for t, o in zip(trajs, outs, strict=True):
         old = torch.tensor(t.metadata["old_logprobs"])
         assert torch.allclose(old, torch.tensor(o.logprobs), atol=1e-4)
+    # a trajectory whose request the engine still reports is scored once, as that request
+    assert len(scoring_items(parts[:1], [_with_key(trajs[0], "e:0")])) == 1
+
+
+def _with_key(t, key):
+    t.metadata["request_spans"] = [[key, 0, len(t.response_ids)]]
+    return t
 
 
 def test_engine_partial_requests_carry_the_sets(tiny):

@@ -168,10 +168,11 @@ def test_env_latency_workflow_waits_and_records():
         EnvLatencyWorkflow(Inner(), median_s=0.0)
 
 
-def test_partial_sync_run_covers_every_stale_token(tmp_path):
+@pytest.mark.parametrize("tool", ["none", "calculator"])  # tool episodes: several requests each
+def test_partial_sync_run_covers_every_stale_token(tmp_path, tool):
     cfg = load_config(None, BASE + ["trainer.total_steps=4", "async.eta=2", f"run.dir={tmp_path / 'r'}",
                                     "run.eval_before=false", "run.eval_after=false", "proximal.method=partial_sync",
-                                    "loss.name=two_ratio"])
+                                    "loss.name=two_ratio", f"rollout.tool={tool}"])
     run_training(cfg)
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4
@@ -182,9 +183,11 @@ def test_partial_sync_run_covers_every_stale_token(tmp_path):
     assert all(r["time/partial_sync_s"] > 0 for r in rows)
 
 
-def test_dedicated_old_logit_worker_run_covers_every_stale_token(tmp_path):
+@pytest.mark.parametrize("tool", ["none", "calculator"])
+def test_dedicated_old_logit_worker_run_covers_every_stale_token(tmp_path, tool):
     cfg = load_config(None, BASE + ["trainer.total_steps=4", "async.eta=2", f"run.dir={tmp_path / 'r'}",
-                                    "run.eval_before=false", "run.eval_after=false", "proximal.method=dedicated"])
+                                    "run.eval_before=false", "run.eval_after=false", "proximal.method=dedicated",
+                                    f"rollout.tool={tool}"])
     run_training(cfg)
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4

@@ -313,12 +313,6 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
-        if self.rollout.tool != "none" and self.proximal.method in ("partial_sync", "dedicated"):
-            raise ValueError(
-                f"proximal.method={self.proximal.method} scores the engine's requests one by one, but rollout.tool="
-                f"{self.rollout.tool} splits a response into several requests; use snapshot, ewma or recompute, "
-                "or rollout.tool=none"
-            )
         if self.rollout.max_concurrent < self.rollout.group_size:
             raise ValueError(
                 f"rollout.max_concurrent ({self.rollout.max_concurrent}) must be >= rollout.group_size ({self.rollout.group_size})"

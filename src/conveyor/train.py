@@ -52,7 +52,6 @@ from conveyor.runtime.inline import (
     heldout_eval,
     train_loop,
 )
-from conveyor.runtime.publish import PendingTokens
 from conveyor.runtime_files import atomic_write_json, check_run_dir, make_run_dir
 from conveyor.shutdown import StopNow
 from conveyor.trainer.trainer import Trainer
@@ -65,7 +64,6 @@ __all__ = ["CHECKPOINTS", "TrainResult", "load_run_config", "run_training", "sav
 # ---------------------------------------------------------------------- checkpoints
 # (conveyor.checkpoint: atomic, verified writes; the old private name stays for callers)
 _latest_checkpoint = latest_checkpoint
-_TrajView = PendingTokens  # the name before conveyor.runtime.publish
 
 
 # ---------------------------------------------------------------------- the run

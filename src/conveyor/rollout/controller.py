@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from conveyor.data import DatasetError
 from conveyor.rollout.buffer import TrajectoryBuffer
 from conveyor.rollout.engine import PromptTooLongError
+from conveyor.rollout.old_logprobs import OldLogprobBook
 from conveyor.rollout.staleness import StalenessManager
 from conveyor.rollout.workflow import RolloutWorkflow
 from conveyor.types import Sample, Trajectory
@@ -162,6 +163,8 @@ class RolloutController:
         self._ledger: list[dict] = []
         self._episode_ids = 0
         self._lock = threading.Lock()  # guards data cursor, in-flight set and buffer puts vs. snapshots
+        # old-log-prob patches (partial_sync / dedicated) until their trajectory is handed out
+        self.old_logprobs = OldLogprobBook()
         self._paused = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -186,9 +189,22 @@ class RolloutController:
             self._thread.join(timeout)
 
     def set_version(self, version: int) -> None:
-        """Publish the policy version the engine now runs (after a weight update)."""
+        """Publish the policy version the engine now runs (after a weight update); forget the
+        old-log-prob patches of trajectories now beyond the staleness bound."""
         self._version = version
+        self.old_logprobs.prune(version, self.buffer.eta)
         self._poke()
+
+    def apply_old_logprobs(self, patches) -> int:
+        """Store old-log-prob patches (:class:`~conveyor.rollout.old_logprobs.OldLogprobPatch`)
+        for the trajectories they address; returns the token values stored."""
+        return self.old_logprobs.apply(patches)
+
+    def hand_out(self, batch: list[Trajectory]) -> list[Trajectory]:
+        """A batch leaving for the trainer: its old-log-prob patches are attached
+        (``metadata["old_logprobs"]``) and forgotten here."""
+        self.old_logprobs.attach(batch)
+        return batch
 
     def set_warmup_batches(self, n: int) -> None:
         """Batches consumed so far by critic-only warm-up steps (``critic.warmup_steps``): they
@@ -241,6 +257,8 @@ class RolloutController:
             data_state = self.data.state_dict()
             data_state["requeue"] = list(self._inflight.values()) + data_state["requeue"]
             groups = self.buffer.snapshot()
+            # the buffered trajectories carry their patches into the checkpoint
+            self.old_logprobs.attach([t for g in groups for t in g], keep=True)
             st = dict(self.stats.__dict__)
             return {
                 "data": data_state,
@@ -259,6 +277,9 @@ class RolloutController:
         self.staleness.load_state_dict(state["staleness"])
         buffered = 0
         for g in state["buffer"]:
+            for i, t in enumerate(g):  # saved before request keys existed: one span, its own key
+                if "request_spans" not in t.metadata:
+                    t.metadata["request_spans"] = [[f"restored:{t.group_id}:{i}", 0, len(t.response_ids)]]
             self.buffer.put(g)
             buffered += len(g)
         self.staleness.reset_after_resume(version + self.warmup_batches, buffered=buffered)

@@ -14,10 +14,9 @@ from __future__ import annotations
 import ast
 import operator
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from conveyor.rollout.engine import SamplingParams
-from conveyor.types import SamplingMask
+from conveyor.rollout.engine import GenerationOutput, SamplingParams
 
 TOOLS = ("none", "calculator")
 
@@ -78,36 +77,10 @@ def calculate(text_before_equals: str) -> str | None:
         return None
 
 
-@dataclass
-class ToolRollout:
-    """One response generated with tool calls.
-
-    Attributes:
-        prompt_ids: The prompt (length P).
-        token_ids: Response tokens, policy actions and tool observations interleaved (length R).
-        logprobs: Behaviour log-probs (0.0 on observation tokens), length R.
-        versions: Policy version per token (an observation gets the version of the action token
-            before it, so staleness is measured on actions only), length R.
-        action_mask: 1 for tokens the policy generated, 0 for observations, length R.
-        text: Decoded response (actions and observations).
-        finish_reason: Of the last generation segment.
-        tool_calls: Observations inserted.
-        num_interruptions: Weight updates that interrupted any segment.
-        sampling_mask: Kept set of every token (length R) when sampling truncates: the
-            segments' sets concatenated, observations without a set (full vocabulary); None
-            without truncation (:class:`~conveyor.types.SamplingMask`).
-    """
-
-    prompt_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    action_mask: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str = "length"
-    tool_calls: int = 0
-    num_interruptions: int = 0
-    sampling_mask: SamplingMask | None = None
+#: One output type for single- and multi-segment generations: a tool episode is a
+#: :class:`~conveyor.rollout.engine.GenerationOutput` built with ``extend`` / ``observe``
+#: (``action_mask``, ``tool_calls`` and ``request_spans`` set). The old name stays for a release.
+ToolRollout = GenerationOutput
 
 
 async def generate_with_calculator(engine, tokenizer, prompt_ids: list[int], params: SamplingParams, *, max_calls: int = 4) -> ToolRollout:
@@ -124,23 +97,16 @@ async def generate_with_calculator(engine, tokenizer, prompt_ids: list[int], par
         max_calls: Maximum observations per response.
 
     Returns:
-        A :class:`ToolRollout`.
+        A :class:`~conveyor.rollout.engine.GenerationOutput` with ``action_mask`` (0 on
+        observations), ``tool_calls`` and ``request_spans`` (one per engine request).
     """
-    out = ToolRollout(prompt_ids=list(prompt_ids))
-    masks: list[SamplingMask | int] = []  # per span: its kept sets, or its token count (no set)
+    out = GenerationOutput(prompt_ids=list(prompt_ids), action_mask=[])
     budget = params.max_new_tokens
     while budget > 0:
         calls_left = out.tool_calls < max_calls
         seg_params = replace(params, max_new_tokens=budget, stop=tuple(params.stop) + (("=",) if calls_left else ()))
         seg = await engine.generate(out.prompt_ids + out.token_ids, seg_params)
-        out.token_ids += seg.token_ids
-        out.logprobs += seg.logprobs
-        seg_mask = getattr(seg, "sampling_mask", None)
-        masks.append(seg_mask if seg_mask is not None else len(seg.token_ids))
-        out.versions += seg.versions
-        out.action_mask += [1] * len(seg.token_ids)
-        out.num_interruptions += seg.num_interruptions
-        out.finish_reason = seg.finish_reason
+        out = out.extend(seg)  # token in, token out: the segment's tokens exactly
         budget -= len(seg.token_ids)
         if seg.finish_reason != "stop" or not calls_left or "=" not in seg.text or budget <= 0:
             break
@@ -152,13 +118,7 @@ async def generate_with_calculator(engine, tokenizer, prompt_ids: list[int], par
         if result is None:
             continue
         obs = tokenizer.encode(" " + result, add_special_tokens=False)[:budget]
-        out.token_ids += obs
-        out.logprobs += [0.0] * len(obs)
-        masks.append(len(obs))  # observations: no kept set (they carry no loss)
-        out.versions += [out.versions[-1] if out.versions else engine.version] * len(obs)
-        out.action_mask += [0] * len(obs)
-        out.tool_calls += 1
+        # an observation gets the version of the action token before it (staleness on actions)
+        out = out.observe(obs, out.versions[-1] if out.versions else engine.version)
         budget -= len(obs)
-    out.text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
-    out.sampling_mask = SamplingMask.concat(masks)
-    return out
+    return replace(out, text=tokenizer.decode(out.token_ids, skip_special_tokens=True))

@@ -115,18 +115,18 @@ class SingleTurnMathWorkflow:
                     correct=None if correct is None else correct >= 1.0,
                     finish_reason=o.finish_reason,
                     text=o.text,
-                    action_mask=getattr(o, "action_mask", None),
-                    sampling_mask=getattr(o, "sampling_mask", None),  # truncated sampling's sets
+                    action_mask=o.action_mask,
+                    sampling_mask=o.sampling_mask,  # truncated sampling's sets
                     metadata={
                         "reward_failed": r.failed,
                         "reward_error": r.error,
                         "format_ok": None if fmt is None else fmt >= 1.0,
                         "num_interruptions": o.num_interruptions,
                         "reward_seconds": reward_s,
-                        # shared with the engine: partial-rollout sync fills it at weight updates
-                        # (one engine request per response; tool episodes span several: not kept)
-                        "old_logprobs": getattr(o, "old_logprobs", []),
-                        "tool_calls": getattr(o, "tool_calls", 0),
+                        # which engine request generated which tokens: old-log-prob patches
+                        # (partial_sync / dedicated) are addressed by request key
+                        "request_spans": [list(sp) for sp in o.spans()],
+                        "tool_calls": o.tool_calls,
                     },
                 )
             )

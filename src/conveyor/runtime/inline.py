@@ -34,7 +34,7 @@ from conveyor.rollout.staleness import StalenessManager
 from conveyor.rollout.workflow import EnvLatencyWorkflow, SingleTurnMathWorkflow
 from conveyor.rundir import RunContext, final_checkpoint
 from conveyor.runlog import MetricsLogger
-from conveyor.runtime.publish import Publisher, buffered_pending, publisher_for, tracks_partials
+from conveyor.runtime.publish import Publisher, publisher_for, tracks_partials
 from conveyor.runtime.record import RunClock, StepRecorder, batch_metrics
 from conveyor.runtime.step import LocalRollout, run_step
 from conveyor.runtime_files import atomic_write
@@ -137,8 +137,9 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
     if state is not None:
         controller.restore(state["controller"], trainer.version)
     # the publish phase: the weights go to the engine, with what the proximal strategy needs
-    publisher = publisher_for(trainer.proximal, engine, lambda: buffered_pending(buffer))
-    return InlineRollout(engine, reward_service, buffer, controller, LocalRollout(controller, buffer), publisher, B)
+    rollout = LocalRollout(controller, buffer)
+    publisher = publisher_for(trainer.proximal, engine, rollout)
+    return InlineRollout(engine, reward_service, buffer, controller, rollout, publisher, B)
 
 
 def critic_warmup(trainer: Trainer, cfg: TrainConfig, parts: InlineRollout, logger: MetricsLogger, run_dir: Path,

@@ -13,35 +13,34 @@ policy update and :meth:`Publisher.publish` after it, and never touches a strate
   then the dedicated worker scores the outgoing version's tokens on its own copy while the
   trainer goes on; the next update waits until it has.
 
-Pending trajectories are handed over through ``pending()`` (the engine's partial requests and the
-buffer's trajectories, as :class:`PendingTokens`); their ``old_logprobs`` lists are still filled
-in place (``trajectory.metadata["old_logprobs"]``): replacing that shared list with messages is
-the next step of issue 12.
+Old log-probs travel as messages: the scorer returns
+:class:`~conveyor.rollout.old_logprobs.OldLogprobPatch` es addressed to the engine requests that
+sampled the tokens, and the publisher hands them to the rollout side
+(:meth:`~conveyor.runtime.step.RolloutPort.apply_old_logprobs`), which attaches them to the
+trajectories when it hands a batch to the trainer. Nothing is shared or filled in place.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
-from conveyor.trainer.proximal import Dedicated, score_partials
-
-
-class PendingTokens:
-    """A buffered trajectory seen as a partial request by
-    :func:`~conveyor.trainer.proximal.score_partials`: its ``metadata["old_logprobs"]`` list is
-    extended in place."""
-
-    def __init__(self, t):
-        self.prompt_ids, self.token_ids, self.versions = t.prompt_ids, t.response_ids, t.versions
-        self.sampling_mask = t.sampling_mask  # kept sets: scored like the trainer
-        self.old_logprobs = t.metadata.setdefault("old_logprobs", [])
+from conveyor.rollout.old_logprobs import ScoringItem, items_of_trajectory
+from conveyor.trainer.proximal import Dedicated
 
 
-def buffered_pending(buffer) -> list[PendingTokens]:
-    """Every trajectory in ``buffer`` (a :class:`~conveyor.rollout.buffer.TrajectoryBuffer`) as
-    :class:`PendingTokens`."""
-    return [PendingTokens(t) for g in buffer.snapshot() for t in g]
+def scoring_items(partials, buffered) -> list[ScoringItem]:
+    """What a publish scores: the engine's requests (:class:`~conveyor.rollout.engine.PartialRequest`)
+    and the buffered trajectories whose requests the engine no longer reports (e.g. restored
+    from a checkpoint after a resume), each once."""
+    items = [ScoringItem(list(p.prompt_ids), list(p.token_ids), list(p.versions), ((p.key, 0, len(p.token_ids)),),
+                         p.sampling_mask) for p in partials]
+    seen = {p.key for p in partials}
+    for t in buffered:
+        it = items_of_trajectory(t)
+        if it is not None and not it.keys <= seen:
+            items.append(it)
+            seen |= it.keys
+    return items
 
 
 class Publisher:
@@ -49,16 +48,16 @@ class Publisher:
 
     Args:
         engine: The engine (:class:`~conveyor.rollout.engine.Engine`).
-        pending: ``() -> list`` of the buffered trajectories as :class:`PendingTokens` (for the
-            strategies that score them).
+        rollout: The rollout side (:class:`~conveyor.runtime.step.RolloutPort`): its buffered
+            trajectories are scored too, and it receives the old-log-prob patches.
     """
 
     #: whether the engine must keep its requests' tokens for scoring (``track_partials``)
     tracks_partials = False
 
-    def __init__(self, engine, pending: Callable[[], list]):
+    def __init__(self, engine, rollout):
         self.engine = engine
-        self.pending = pending
+        self.rollout = rollout
 
     def start(self, trainer) -> None:
         """Before the first step (after any evaluation that used the engine)."""
@@ -66,7 +65,8 @@ class Publisher:
             self.engine.partial_requests(require_pause=False)  # forget the evaluation's requests
 
     def before_step(self, trainer) -> None:
-        """Before the policy update that will produce ``trainer.version + 1``."""
+        """Before the batch of the policy update that will produce ``trainer.version + 1`` is
+        taken (so every old-log-prob patch it needs has been delivered)."""
 
     def publish(self, trainer) -> dict[str, float]:
         """Send ``trainer``'s parameters (version ``trainer.version``) to the engine.
@@ -98,8 +98,10 @@ class PartialSyncPublisher(Publisher):
         t0 = time.perf_counter()
         self.engine.pause()
         try:
-            pending = self.engine.partial_requests() + self.pending()
-            n = score_partials(trainer, self.engine.model, pending, self.engine.version)
+            items = scoring_items(self.engine.partial_requests(), self.rollout.buffered())
+            # the engine scores with its own (outgoing) weights: its scoring capability
+            patches, n = self.engine.score_old_logprobs(trainer.scoring_spec(), items)
+            self.rollout.apply_old_logprobs(patches)
             dt = time.perf_counter() - t0
             self.engine.update_weights(trainer.weight_update())
         finally:
@@ -114,8 +116,8 @@ class DedicatedPublisher(Publisher):
 
     tracks_partials = True
 
-    def __init__(self, engine, pending: Callable[[], list], worker: Dedicated):
-        super().__init__(engine, pending)
+    def __init__(self, engine, rollout, worker: Dedicated):
+        super().__init__(engine, rollout)
         self.worker = worker
 
     def start(self, trainer) -> None:
@@ -129,20 +131,30 @@ class DedicatedPublisher(Publisher):
         upd = trainer.weight_update()
         self.engine.update_weights(upd)
         # the engine no longer samples the outgoing version: its tokens can be scored now
-        self.worker.retire(self.engine.partial_requests(require_pause=False) + self.pending(), upd)
+        items = scoring_items(self.engine.partial_requests(require_pause=False), self.rollout.buffered())
+        self.worker.retire(items, upd, self.rollout.apply_old_logprobs)
         return {}
 
     def stop(self) -> None:
         self.worker.stop()
 
 
-def publisher_for(proximal, engine, pending: Callable[[], list]) -> Publisher:
-    """The publisher a proximal strategy needs (``proximal.name``)."""
+def publisher_for(proximal, engine, rollout) -> Publisher:
+    """The publisher a proximal strategy needs (``proximal.name``).
+
+    Raises:
+        ValueError: ``partial_sync`` with an engine that cannot score old log-probs (a remote
+            engine: no ``score_old_logprobs`` capability).
+    """
     if proximal.name == "partial_sync":
-        return PartialSyncPublisher(engine, pending)
+        if not callable(getattr(engine, "score_old_logprobs", None)):
+            raise ValueError(f"proximal.method=partial_sync needs an engine that scores old log-probs with its "
+                             f"own weights ({type(engine).__name__} cannot); use proximal.method=dedicated "
+                             "or recompute")
+        return PartialSyncPublisher(engine, rollout)
     if proximal.name == "dedicated":
-        return DedicatedPublisher(engine, pending, proximal)
-    return DirectPublisher(engine, pending)
+        return DedicatedPublisher(engine, rollout, proximal)
+    return DirectPublisher(engine, rollout)
 
 
 def tracks_partials(proximal) -> bool:

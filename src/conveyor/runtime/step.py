@@ -1,8 +1,9 @@
 """The step protocol, written once for every runtime (issue 12, section 1; MISSION.md section 1):
 
-1. wait for a batch the staleness rule admits at the trainer's version (:class:`RolloutPort`);
-2. train on it (the trainer; the publisher's ``before_step`` first, e.g. the dedicated old-logit
-   worker must have scored every older version);
+1. the publisher's ``before_step`` (e.g. the dedicated old-logit worker has scored every older
+   version and delivered the patches);
+2. wait for a batch the staleness rule admits at the trainer's version (:class:`RolloutPort`;
+   the old-log-prob patches are attached as it leaves the rollout side), and train on it;
 3. publish the new weights (:class:`~conveyor.runtime.publish.Publisher`: interrupt the engine,
    or partial-sync, or hand the outgoing tokens to the dedicated worker);
 4. tell the rollout side the new version, only after the engine has it, so the capacity rule
@@ -44,6 +45,15 @@ class RolloutPort(Protocol):
         """The engine now samples ``version``: admit rollouts against it."""
         ...
 
+    def buffered(self) -> list[Trajectory]:
+        """The buffered trajectories (copies may do: only read), for old-log-prob scoring."""
+        ...
+
+    def apply_old_logprobs(self, patches: list) -> None:
+        """Deliver :class:`~conveyor.rollout.old_logprobs.OldLogprobPatch` es: they reach their
+        trajectories when those are handed out by :meth:`next_batch`."""
+        ...
+
     def counters(self) -> dict[str, float]:
         """The controller's counters (``rollout/*``) for the step's metrics row."""
         ...
@@ -67,10 +77,17 @@ class LocalRollout:
         self.buffer = buffer
 
     def next_batch(self, n: int, version: int, *, health=None, stop=None) -> list[Trajectory] | None:
-        return wait_for_batch(self.buffer, n, lambda: version, health_fn=health, stop=stop)
+        batch = wait_for_batch(self.buffer, n, lambda: version, health_fn=health, stop=stop)
+        return None if batch is None else self.controller.hand_out(batch)
 
     def set_version(self, version: int) -> None:
         self.controller.set_version(version)
+
+    def buffered(self) -> list[Trajectory]:
+        return [t for g in self.buffer.snapshot() for t in g]
+
+    def apply_old_logprobs(self, patches: list) -> None:
+        self.controller.apply_old_logprobs(patches)
 
     def counters(self) -> dict[str, float]:
         return self.controller.counters()
@@ -117,11 +134,13 @@ def run_step(trainer, rollout: RolloutPort, publisher, batch_size: int, *,
             error's ``batch`` attribute holds the batch (the step counts: the caller logs it).
         Whatever ``health`` raises.
     """
+    t_before = time.perf_counter()
+    publisher.before_step(trainer)
+    before_s = time.perf_counter() - t_before
     batch = rollout.next_batch(batch_size, trainer.version, health=health, stop=stop)
     if batch is None:
         return None
     t0 = time.perf_counter()
-    publisher.before_step(trainer)
     try:
         metrics = trainer.train_step(batch)
     except NonFiniteLossError as e:
@@ -132,4 +151,4 @@ def run_step(trainer, rollout: RolloutPort, publisher, batch_size: int, *,
     metrics["time/proximal_s"] += metrics.get("time/partial_sync_s", 0.0)
     rollout.set_version(trainer.version)
     metrics["time/weight_sync_s"] = time.perf_counter() - t_sync
-    return StepOutcome(batch, metrics, time.perf_counter() - t0)
+    return StepOutcome(batch, metrics, before_s + time.perf_counter() - t0)

@@ -15,6 +15,9 @@ S} z_v`` with ``z = logits / T``: the chunk's logits are gathered at the ids of 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -216,3 +219,36 @@ def token_logprobs(
         ent = torch.zeros(R * L, dtype=torch.float32, device=hidden.device).index_put((sel,), e_sel)
         ent = ent.reshape(R, L)
     return out.reshape(R, L), ent
+
+
+@dataclass(frozen=True)
+class ScoringSpec:
+    """How the trainer computes log-probs, as a message: what another component (the paused
+    engine, the dedicated old-logit worker) needs to score tokens with the trainer's exact
+    numerics, without reaching into the trainer (issue 12, section 1).
+
+    Attributes:
+        temperature: Sampling temperature T > 0 (log-probs of ``softmax(logits / T)``).
+        bf16: Run the forward under CPU bf16 autocast (the trainer's ``trainer.bf16`` choice).
+        autocast_weight_cache: autocast's weight cache (``trainer.use_autocast_weight_cache``).
+        chunk_tokens: Positions per lm_head chunk (``trainer.logprob_chunk_tokens``).
+        micro_batch_tokens / pack_row_tokens: Packing budgets (tokens) of the micro-batches.
+    """
+
+    temperature: float
+    bf16: bool
+    autocast_weight_cache: bool
+    chunk_tokens: int
+    micro_batch_tokens: int
+    pack_row_tokens: int
+
+    def logprobs(self, model: torch.nn.Module, mb) -> torch.Tensor:
+        """``[R, L]`` log-probs of ``mb``'s targets (a :class:`~conveyor.trainer.batch.PackedBatch`)
+        under ``model``, without gradient, kept sets replayed (:func:`token_logprobs`)."""
+        ctx = (torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=self.autocast_weight_cache)
+               if self.bf16 else nullcontext())
+        with torch.no_grad(), ctx:
+            lp, _ = token_logprobs(model, mb.input_ids, mb.position_ids, mb.targets, temperature=self.temperature,
+                                   chunk_tokens=self.chunk_tokens, mask=mb.mask, attention_mask=mb.attention_mask,
+                                   support=mb.support)
+        return lp

@@ -134,11 +134,12 @@ class Behavior(ProximalStrategy):
 class PartialSync(ProximalStrategy):
     """Partial-rollout interruption sync (MISSION.md section 2, recovery 3): no stored history.
 
-    The runtime calls :func:`score_partials` at every weight update, while the engine is paused
-    and still holds the outgoing parameters (version v): every token sampled by version v that
-    has no old log-prob yet -- in in-flight requests, finished ones, buffered trajectories --
-    gets one from a training-side forward pass (the trainer's log-prob function) on those
-    parameters. At training time a token of the trainer's current version uses the gradient
+    At every weight update the publisher (:class:`~conveyor.runtime.publish.PartialSyncPublisher`)
+    pauses the engine, which still holds the outgoing parameters (version v), and asks it to
+    score (:func:`score_old_logprobs`) every token sampled by version v -- in in-flight
+    requests, finished ones, buffered trajectories -- with a training-side forward pass (the
+    trainer's :class:`~conveyor.trainer.logprobs.ScoringSpec`); the patches go to the rollout
+    side and reach the trajectory when it is handed to the trainer. At training time a token of the trainer's current version uses the gradient
     pass's log-probs (exact), older tokens their recorded value. Tokens with neither (e.g.
     sampled before a resume) fall back to the current parameters and are counted
     (``proximal/partial_sync_missing_frac``).
@@ -166,67 +167,72 @@ class PartialSync(ProximalStrategy):
         return st
 
 
-def score_partials(trainer, model: torch.nn.Module, partials, version: int) -> int:
-    """Partial-rollout sync: extend each item's ``old_logprobs`` (in place) with the training-side
-    log-probs, under ``model`` (the outgoing parameters, version ``version``), of its tokens not
-    scored yet; tokens of another version get NaN (they cannot be scored exactly any more).
+def score_old_logprobs(spec, model: torch.nn.Module, items, version: int):
+    """Partial-rollout sync's scoring (MISSION.md section 2, recoveries 2 and 3): the
+    training-side log-probs, under ``model`` (the outgoing parameters, version ``version``), of
+    every token of ``items`` sampled by ``version``, as old-log-prob patches addressed to the
+    engine requests that generated them (:mod:`conveyor.rollout.old_logprobs`). Tokens of other
+    versions get NaN (older ones were scored at their own publish). Items without a token of
+    ``version`` are skipped (no forward pass).
 
     Args:
-        trainer: The :class:`~conveyor.trainer.trainer.Trainer` (its log-prob function: same
-            temperature, autocast and chunking as training).
-        model: The model holding version ``version`` (the paused engine's).
-        partials: Objects with ``prompt_ids``, ``token_ids``, ``versions`` and a mutable
-            ``old_logprobs`` list (:class:`~conveyor.rollout.engine.PartialRequest`, or
-            trajectories' ``metadata["old_logprobs"]`` wrapped the same way), and optionally a
-            ``sampling_mask`` (:class:`~conveyor.types.SamplingMask`: kept sets of truncated
-            sampling, replayed so the old log-probs match the trainer's).
+        spec: The trainer's :class:`~conveyor.trainer.logprobs.ScoringSpec` (same temperature,
+            autocast, chunking and packing as training, kept sets replayed: the values equal the
+            trainer's own for the same parameters).
+        model: The model holding version ``version`` (the paused engine's, or the dedicated
+            worker's copy).
+        items: :class:`~conveyor.rollout.old_logprobs.ScoringItem` s (in-flight / finished
+            requests, buffered trajectories).
         version: The outgoing version.
 
     Returns:
-        Number of tokens scored (forward-pass positions that received a value).
+        ``(patches, n)``: a list of :class:`~conveyor.rollout.old_logprobs.OldLogprobPatch`
+        (one per request span with a token of ``version``, covering the first to the last such
+        token) and ``n``, the number of tokens scored.
     """
+    from conveyor.rollout.old_logprobs import OldLogprobPatch
     from conveyor.trainer.batch import pack, plan_micro_batches
     from conveyor.types import Sample, Trajectory
 
-    seen: set[int] = set()
-    items = []
-    for p in partials:  # a finished request and its buffered trajectory share one list
-        if len(p.old_logprobs) < len(p.token_ids) and id(p.old_logprobs) not in seen:
-            seen.add(id(p.old_logprobs))
-            items.append(p)
+    items = [it for it in items if version in it.versions]
     if not items:
-        return 0
+        return [], 0
     # the kept sets of truncated sampling are replayed here too, so old log-probs are renormalised
     # over the same sets as the behaviour and current ones (docs/design.md, "Truncated sampling")
-    trajs = [Trajectory(sample=Sample(f"partial_sync/request {getattr(p, 'rid', i)}", "", "", ""),
-                        group_id=str(i), prompt_ids=list(p.prompt_ids),
-                        response_ids=list(p.token_ids), behaviour_logprobs=[0.0] * len(p.token_ids),
-                        versions=list(p.versions), sampling_mask=getattr(p, "sampling_mask", None))
-             for i, p in enumerate(items)]
+    trajs = [Trajectory(sample=Sample(f"old-logprob scoring {i}", "", "", ""), group_id=str(i),
+                        prompt_ids=list(it.prompt_ids), response_ids=list(it.token_ids),
+                        behaviour_logprobs=[0.0] * len(it.token_ids), versions=list(it.versions),
+                        sampling_mask=it.sampling_mask)
+             for i, it in enumerate(items)]
     lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
+    patches: list[OldLogprobPatch] = []
     scored = 0
     zeros = torch.zeros(len(trajs))
-    for rows in plan_micro_batches(lengths, trainer.cfg.micro_batch_tokens, trainer.cfg.pack_row_tokens):
+    for rows in plan_micro_batches(lengths, spec.micro_batch_tokens, spec.pack_row_tokens):
         mb = pack(trajs, zeros, rows)
-        with torch.no_grad():
-            lp, _ = trainer._logprobs(model, mb)
+        lp = spec.logprobs(model, mb)
         for s, i in enumerate(mb.indices):
             vals = lp[(mb.seq_index == s) & (mb.mask > 0)].tolist()
-            p = items[i]
-            start = len(p.old_logprobs)
-            new = [v if p.versions[k] == version else float("nan") for k, v in enumerate(vals[start:], start)]
-            p.old_logprobs.extend(new)
-            scored += sum(1 for k in range(start, len(vals)) if p.versions[k] == version)
-    return scored
+            it = items[i]
+            for key, offset, n in it.spans:
+                own = [k for k in range(n) if it.versions[offset + k] == version]
+                if not own:
+                    continue
+                lo, hi = own[0], own[-1] + 1
+                patches.append(OldLogprobPatch(key, lo, tuple(
+                    vals[offset + k] if it.versions[offset + k] == version else float("nan")
+                    for k in range(lo, hi)), version))
+                scored += len(own)
+    return patches, scored
 
 
 class Dedicated(PartialSync):
     """A dedicated old-logit model (MISSION.md section 2, recovery 2): a worker thread with its
     own copy of the weights (``threads`` intra-op threads) that lags the engine by one version.
-    After each weight update the runtime hands it (:meth:`retire`) a snapshot of the engine's
+    After each weight update the publisher hands it (:meth:`retire`) a snapshot of the engine's
     requests and the buffered trajectories plus the new weights; the worker scores every token of
-    its current version (the one the engine just replaced) with :func:`score_partials`, then
-    loads the new weights. Training overlaps with this; before an update at version w the
+    its current version (the one the engine just replaced) with :func:`score_old_logprobs`,
+    delivers the patches (to the rollout side's book), then loads the new weights. Training overlaps with this; before an update at version w the
     trainer waits (:meth:`wait_retired`) until every version below w is scored, and the wait is
     the method's visible time cost (``proximal/dedicated_wait_s``). Exact like partial_sync
     without pausing rollouts; costs one parameter copy and the worker's compute (on a 2-core CPU
@@ -251,17 +257,17 @@ class Dedicated(PartialSync):
         self._jobs: queue.Queue = queue.Queue()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._trainer = None
+        self._spec = None
         self.error: BaseException | None = None
         self.busy_seconds = 0.0
         self.scored_tokens = 0
         self._wait = 0.0
 
     def start(self, trainer) -> None:
-        """Start the worker thread (it uses ``trainer``'s log-prob function)."""
+        """Start the worker thread (it scores with ``trainer.scoring_spec()``)."""
         import threading
 
-        self._trainer = trainer
+        self._spec = trainer.scoring_spec()
         self._thread = threading.Thread(target=self._loop, name="conveyor-old-logits", daemon=True)
         self._thread.start()
 
@@ -272,10 +278,12 @@ class Dedicated(PartialSync):
             self._thread.join(timeout=60)
             self._thread = None
 
-    def retire(self, partials: list, update) -> None:
-        """Queue: score ``partials``' tokens of the worker's current version, then load
-        ``update`` (a :class:`~conveyor.sync.WeightUpdate`)."""
-        self._jobs.put((partials, update))
+    def retire(self, items: list, update, deliver) -> None:
+        """Queue: score ``items``' tokens of the worker's current version
+        (:class:`~conveyor.rollout.old_logprobs.ScoringItem` s), call ``deliver(patches)``,
+        then load ``update`` (a :class:`~conveyor.sync.WeightUpdate`); :meth:`wait_retired`
+        returns only after the delivery."""
+        self._jobs.put((items, update, deliver))
 
     def _loop(self) -> None:
         import time
@@ -286,9 +294,10 @@ class Dedicated(PartialSync):
                 job = self._jobs.get()
                 if job is None:
                     return
-                partials, update = job
+                items, update, deliver = job
                 t0 = time.perf_counter()
-                n = score_partials(self._trainer, self.model, partials, self.version)
+                patches, n = score_old_logprobs(self._spec, self.model, items, self.version)
+                deliver(patches)
                 with torch.no_grad():
                     self.model.load_state_dict(update.state_dict(), strict=False)
                 with self._cond:

@@ -34,7 +34,7 @@ from conveyor.trainer.batch import (
     unit_length,
     unit_members,
 )
-from conveyor.trainer.logprobs import token_logprobs
+from conveyor.trainer.logprobs import ScoringSpec, token_logprobs
 from conveyor.trainer.objectives import ObjectiveInputs, get_objective
 from conveyor.trainer.proximal import build_strategy
 from conveyor.trainer.updater import Updater
@@ -306,6 +306,15 @@ class Trainer:
     def weight_update(self) -> WeightUpdate:
         """The current parameters as a :class:`WeightUpdate` stamped with :attr:`version`."""
         return WeightUpdate.from_model(self.model, self.version)
+
+    def scoring_spec(self) -> ScoringSpec:
+        """How this trainer computes log-probs (temperature, precision, chunking, packing), for
+        the components that score old log-probs with other weights (the paused engine, the
+        dedicated worker) with the trainer's exact numerics."""
+        return ScoringSpec(temperature=self.temperature, bf16=self.bf16,
+                           autocast_weight_cache=self.cfg.use_autocast_weight_cache,
+                           chunk_tokens=self.cfg.logprob_chunk_tokens,
+                           micro_batch_tokens=self.cfg.micro_batch_tokens, pack_row_tokens=self.cfg.pack_row_tokens)
 
     def take_events(self) -> list[dict]:
         """The proximal strategy's events since the previous call (each ``{"event": name,

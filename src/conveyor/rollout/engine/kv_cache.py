@@ -82,7 +82,6 @@ class _Request:
     text: str | None = None
     cancelled: bool = False
     aborted: bool = False  # InferenceEngine.abort: finish with "abort" at the next step boundary
-    old_logprobs: list[float] = field(default_factory=list)
     # kept set of each sampled token (truncated sampling only); appended before token_ids, so a
     # concurrent snapshot of token_ids never has more tokens than support
     support: list[torch.Tensor] = field(default_factory=list)

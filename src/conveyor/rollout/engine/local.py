@@ -8,6 +8,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -154,6 +155,8 @@ class InferenceEngine:
         self._failure: BaseException | None = None
         self._abort_pending = False  # running requests flagged by abort(), not yet finished
         self._next_rid = 0
+        # request keys "<engine id>:<rid>" are unique across engines, processes and resumes
+        self.engine_id = uuid.uuid4().hex[:12]
         self._stats = dict(
             busy_seconds=0.0,
             prefill_seconds=0.0,
@@ -322,16 +325,15 @@ class InferenceEngine:
         """Every request with generated tokens: in flight (running batch or awaiting
         re-encoding) and, with ``track_partials``, finished since the previous call (then
         forgotten). For partial-rollout sync: between :meth:`pause` and the next weight update,
-        the caller scores each request's tokens not yet in ``old_logprobs`` with the outgoing
-        parameters (still in :attr:`model`) and extends ``old_logprobs`` in place.
+        the caller scores the tokens of the outgoing version (:meth:`score_old_logprobs`) and
+        sends the patches to the rollout side (:mod:`conveyor.rollout.old_logprobs`).
 
         With ``require_pause=False`` (a dedicated old-logit worker) the snapshot is taken under
         the engine's lock while it runs: the copies are consistent, and every token of a version
         the engine has already replaced is in them; newer tokens appear in later calls.
 
         Returns:
-            A list of :class:`PartialRequest` (copies of the token lists, the shared
-            ``old_logprobs`` list).
+            A list of :class:`PartialRequest` (copies; each with its request key).
 
         Raises:
             RuntimeError: ``require_pause`` and the engine is running (not paused).
@@ -345,9 +347,41 @@ class InferenceEngine:
             for r, finished in [(r, False) for r in live] + [(r, True) for r in done]:
                 tokens = list(r.token_ids)
                 out.append(PartialRequest(r.rid, list(r.prompt_ids), tokens, list(r.versions),
-                                          r.old_logprobs, finished,
+                                          self.request_key(r.rid), finished,
                                           r.sampling_mask(len(tokens))))
         return out
+
+    def request_key(self, rid: int) -> str:
+        """The key of request ``rid``: ``"<engine id>:<rid>"``."""
+        return f"{self.engine_id}:{rid}"
+
+    def score_old_logprobs(self, spec, items, version: int | None = None):
+        """Partial-rollout sync's scoring capability (MISSION.md section 2, recovery 3): the
+        training-side log-probs of ``items``' tokens of ``version`` (default: the loaded one)
+        under the engine's current weights, as old-log-prob patches. Only the strategies that
+        need it call it; the engine must be paused (or stopped) so the weights cannot change
+        and no decode step runs concurrently.
+
+        Args:
+            spec: The trainer's :class:`~conveyor.trainer.logprobs.ScoringSpec` (temperature,
+                precision, chunking, packing budgets: the numbers match the trainer's).
+            items: :class:`~conveyor.rollout.old_logprobs.ScoringItem` s.
+
+        Returns:
+            ``(patches, tokens scored)``
+            (:func:`~conveyor.trainer.proximal.score_old_logprobs`).
+
+        Raises:
+            RuntimeError: the engine is running (not paused).
+        """
+        from conveyor.trainer.proximal import score_old_logprobs
+
+        with self._cond:
+            if self._thread is not None and not self._stopped and not self._paused:
+                raise RuntimeError("score_old_logprobs() needs a paused engine: call pause() first")
+            v = self._version if version is None else version
+        with self._model_lock:
+            return score_old_logprobs(spec, self.model, items, v)
 
     def stats(self) -> dict[str, Any]:
         """Counters since construction.
@@ -928,8 +962,8 @@ class InferenceEngine:
             finish_reason=reason,
             text=text,
             num_interruptions=req.num_interruptions,
-            old_logprobs=req.old_logprobs,  # shared: partial-rollout sync may extend it later
             sampling_mask=req.sampling_mask(len(req.token_ids)),
+            key=self.request_key(req.rid),
         )
         with self._cond:
             self._live.pop(req.rid, None)

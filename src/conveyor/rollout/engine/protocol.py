@@ -10,8 +10,6 @@ import concurrent.futures
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-import torch
-
 from conveyor.rollout.engine.types import GenerationOutput, PartialRequest, SamplingParams
 from conveyor.sync import WeightUpdate
 
@@ -36,14 +34,15 @@ class Engine(Protocol):
     * :meth:`stats` -- ``train.py`` (busy fraction, throughput, ``engine_stats.json`` that
       ``conveyor simulate`` calibrates from), ``benchmarks/weight_sync.py``.
 
-    Local-engine capabilities that issue 12 will replace with messages (they assume the engine
-    lives in the caller's process and shares objects with it):
+    Old-log-prob scoring (``proximal.method=partial_sync`` / ``dedicated``;
+    :mod:`conveyor.runtime.publish`):
 
-    * :attr:`model` -- read by ``train.py`` for ``proximal.method=partial_sync``
-      (``score_partials(trainer, engine.model, ...)`` scores with the paused engine's weights).
-    * :meth:`partial_requests` -- ``train.py`` for ``partial_sync`` (paused) and ``dedicated``
-      (``require_pause=False``); each :class:`PartialRequest` carries the request's *shared*
-      ``old_logprobs`` list, which the scorer extends in place.
+    * :meth:`partial_requests` -- copies of the requests with tokens (each with its request
+      key; nothing shared), paused for ``partial_sync``, while running for ``dedicated``.
+    * ``score_old_logprobs(spec, items, version=None)`` -- an optional capability, not in the
+      protocol: the paused engine scores tokens with its own weights and returns old-log-prob
+      patches (``InferenceEngine`` has it; only ``partial_sync`` asks for it, and refuses an
+      engine without it). No caller reads an engine's model.
 
     Not in the protocol: ``abort`` (``InferenceEngine.abort``, ``HttpEngine.abort``; used by
     the engine server's ``/abort_request``, not by the runtime: :meth:`stop` finishes every
@@ -53,14 +52,8 @@ class Engine(Protocol):
     (``benchmarks/engine.py``, ``benchmarks/weight_sync.py``, tests).
 
     ``isinstance(obj, Engine)`` checks that every member exists (``runtime_checkable``), not
-    the signatures; ``issubclass`` is not supported (the protocol has a data member).
-
-    Attributes:
-        model: The ``torch.nn.Module`` the engine generates with (local-engine capability; read
-            it only while the engine is paused or stopped).
+    the signatures.
     """
-
-    model: torch.nn.Module
 
     @property
     def version(self) -> int:
@@ -141,14 +134,14 @@ class Engine(Protocol):
 
     def partial_requests(self, *, require_pause: bool = True) -> list[PartialRequest]:
         """Requests with generated tokens (in flight and, with ``track_partials``, finished since
-        the previous call), for partial-rollout sync (local-engine capability).
+        the previous call), for old-log-prob scoring (``partial_sync`` / ``dedicated``).
 
         Args:
             require_pause: Raise unless the engine is paused (``False``: a consistent snapshot
                 taken while it runs, for the dedicated old-logit worker).
 
         Returns:
-            :class:`PartialRequest` copies holding each request's shared ``old_logprobs`` list.
+            :class:`PartialRequest` copies, each with its request key.
 
         Raises:
             RuntimeError: ``require_pause`` and the engine is running.

@@ -6,7 +6,7 @@ finish reasons (``FINISH_STOP`` / ``FINISH_LENGTH`` / ``FINISH_ABORT``)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from conveyor.types import SamplingMask
@@ -125,53 +125,112 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationOutput:
-    """One finished request.
+    """One finished generation: a single engine request, or a multi-segment one (a tool episode:
+    action segments from the engine with observations between them), built with
+    :meth:`extend` and :meth:`observe` so the tokens the model generated are kept exactly
+    (token in, token out: the history is never re-tokenised).
 
     Attributes:
         prompt_ids: The prompt token ids, length ``P``.
         token_ids: Generated token ids, length ``R`` (the eos / stop token is included when it
-            was generated).
+            was generated; observations included in a multi-segment output).
         logprobs: ``log pi_behav`` of each generated token (natural log, length ``R``) under the
             distribution actually sampled from (temperature, then min-p / top-k / top-p
             truncation and renormalisation over the kept set; greedy: ``log_softmax`` of the
-            logits at ``T = 1``).
+            logits at ``T = 1``); 0.0 on observation tokens.
         versions: Policy version that produced each generated token, length ``R``
-            (non-decreasing; several values when weights were updated mid-request).
+            (non-decreasing; several values when weights were updated mid-request); an
+            observation gets the version of the action token before it.
         finish_reason: ``"stop"`` (eos, stop token or stop string), ``"length"``
-            (``max_new_tokens`` or the model's context length) or ``"abort"`` (engine stopped).
+            (``max_new_tokens`` or the model's context length) or ``"abort"`` (engine stopped
+            or the request aborted); of the last segment in a multi-segment output.
         text: Decoded response (special tokens skipped).
-        num_interruptions: Number of weight updates applied while this request was in the
-            running batch (each one dropped its KV cache and re-encoded it).
-        old_logprobs: Training-side log-probs of a prefix of ``token_ids`` under the version that
-            sampled each token, filled by partial-rollout sync (``track_partials``; see
-            :meth:`InferenceEngine.partial_requests`). The list object is shared with the
-            engine's bookkeeping and may still grow after delivery (at the next weight update)
-            until :meth:`InferenceEngine.partial_requests` stops returning the request. Empty
-            otherwise.
+        num_interruptions: Number of weight updates applied while this request (any segment)
+            was in the running batch (each one dropped its KV cache and re-encoded it).
         sampling_mask: The kept set of every generated token (length ``R``,
             :class:`~conveyor.types.SamplingMask`) when the request's sampling truncates
-            (:attr:`SamplingParams.truncated`); None otherwise (full vocabulary).
+            (:attr:`SamplingParams.truncated`); None otherwise (full vocabulary). Observations
+            have no set.
+        key: The engine request's key, ``"<engine id>:<request id>"``, unique across engines,
+            processes and resumes (old-log-prob patches are addressed by it:
+            :mod:`conveyor.rollout.old_logprobs`); ``""`` when the engine has none, and for a
+            multi-segment output (see ``request_spans``).
+        action_mask: 1 for tokens the policy generated, 0 for observations (length ``R``);
+            None when every token is an action.
+        tool_calls: Observations inserted.
+        request_spans: ``(key, offset, n)`` of each engine request in a multi-segment output:
+            its ``n`` tokens are ``token_ids[offset : offset + n]``; empty for a single request
+            (:meth:`spans` gives ``[(key, 0, R)]`` then).
     """
 
     prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: str
-    text: str
-    num_interruptions: int
-    old_logprobs: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = FINISH_LENGTH
+    text: str = ""
+    num_interruptions: int = 0
     sampling_mask: SamplingMask | None = None
+    key: str = ""
+    action_mask: list[int] | None = None
+    tool_calls: int = 0
+    request_spans: tuple[tuple[str, int, int], ...] = ()
+
+    def spans(self) -> list[tuple[str, int, int]]:
+        """``(key, offset, n)`` of every engine request in this output (empty when the engine
+        gave no keys)."""
+        if self.request_spans:
+            return list(self.request_spans)
+        return [(self.key, 0, len(self.token_ids))] if self.key and self.token_ids else []
+
+    def extend(self, seg: GenerationOutput) -> GenerationOutput:
+        """This output followed by the engine's next segment ``seg`` (a new object).
+
+        Raises:
+            ValueError: ``seg.prompt_ids`` is not ``prompt_ids + token_ids`` (the segment was
+                not generated from this history, token for token).
+        """
+        if list(seg.prompt_ids) != list(self.prompt_ids) + list(self.token_ids):
+            raise ValueError("GenerationOutput.extend: the segment's prompt_ids are not this output's "
+                             "prompt_ids + token_ids (a re-tokenised history?)")
+        r, n = len(self.token_ids), len(seg.token_ids)
+        parts = [self.sampling_mask if self.sampling_mask is not None else r,
+                 seg.sampling_mask if seg.sampling_mask is not None else n]
+        return replace(
+            self, token_ids=self.token_ids + list(seg.token_ids), logprobs=self.logprobs + list(seg.logprobs),
+            versions=self.versions + list(seg.versions), finish_reason=seg.finish_reason,
+            num_interruptions=self.num_interruptions + seg.num_interruptions,
+            sampling_mask=SamplingMask.concat(parts), key="",
+            action_mask=self._actions() + [1] * n,
+            request_spans=tuple(self.spans()) + tuple((k, r + o, m) for k, o, m in seg.spans()),
+        )
+
+    def observe(self, ids: list[int], version: int) -> GenerationOutput:
+        """This output followed by the observation tokens ``ids`` (a new object): behaviour
+        log-prob 0.0, action mask 0, no kept set, policy version ``version``; counts one tool
+        call."""
+        r, n = len(self.token_ids), len(ids)
+        parts = [self.sampling_mask if self.sampling_mask is not None else r, n]
+        return replace(
+            self, token_ids=self.token_ids + list(ids), logprobs=self.logprobs + [0.0] * n,
+            versions=self.versions + [version] * n, sampling_mask=SamplingMask.concat(parts), key="",
+            action_mask=self._actions() + [0] * n, tool_calls=self.tool_calls + 1,
+            request_spans=tuple(self.spans()),
+        )
+
+    def _actions(self) -> list[int]:
+        return list(self.action_mask) if self.action_mask is not None else [1] * len(self.token_ids)
 
 
 @dataclass(frozen=True)
 class PartialRequest:
-    """A request's state at a pause, for partial-rollout sync (MISSION.md section 2, recovery 3).
+    """A request's state at a pause, for partial-rollout sync (MISSION.md section 2, recovery 3):
+    copies, nothing shared with the engine.
 
     Attributes:
         rid: Request id. prompt_ids / token_ids / versions: copies (``R`` generated tokens).
-        old_logprobs: The request's shared old-log-prob list (length <= R): extend it in place
-            with the log-probs of ``token_ids[len(old_logprobs):]``.
+        key: The request's key (``GenerationOutput.key``): old-log-prob patches of these tokens
+            are addressed by it (:class:`~conveyor.rollout.old_logprobs.OldLogprobPatch`).
         finished: True for a request that finished since the previous call.
         sampling_mask: The kept sets of ``token_ids`` (length ``R``) under truncated sampling,
             None otherwise; scoring renormalises over them like the trainer.
@@ -181,7 +240,7 @@ class PartialRequest:
     prompt_ids: list[int]
     token_ids: list[int]
     versions: list[int]
-    old_logprobs: list[float]
+    key: str
     finished: bool
     sampling_mask: SamplingMask | None = None
 
