@@ -1,0 +1,15 @@
+"""Agent environments and the tools they offer the model (issue 14).
+
+Modules:
+
+- ``tools``: the :class:`~conveyor.envs.tools.Tool` protocol (name, description, JSON schema of
+  the arguments in the OpenAI function-calling shape, ``async call``), the
+  :class:`~conveyor.envs.tools.ToolResult` every call returns, a
+  :class:`~conveyor.envs.tools.ToolRegistry` of tools by name, and the calculator as a tool.
+- ``sandbox``: runs model-written Python code in a bubblewrap sandbox (no network, private
+  temporary directory, read-only system files, CPU / wall / memory / process / file / output
+  limits) and :class:`~conveyor.envs.sandbox.PythonTool`, the tool built on it, which counts
+  contained incidents per kind.
+
+Import from the submodules directly (this package deliberately re-exports nothing).
+"""
