@@ -27,7 +27,9 @@ rows do not influence each other; one warm-up update, then ``--repeats`` timed u
 3. ``sao``: ``loss.name=dis``, ``loss.advantage=gae``, ``CriticConfig(updates_per_step=2,
    freeze_attention=True)`` (the critic a full copy of the policy), the single-response layout;
 4. ``sao K=1``; 5. ``sao attention trained`` (``freeze_attention=False``); 6. ``sao critic
-   policy:L`` (the critic's backbone the policy's first ``--critic-layers`` layers).
+   policy:L`` (the critic's backbone the policy's first ``--critic-layers`` layers); 7. ``sao critic
+   head`` (AsyPPO's lightweight critic: a two-layer head on the policy's detached hidden states,
+   ``critic.backbone=head``); 8. ``sao 2 head critics (asyppo)`` (``critic.num_critics=2``).
 
 KL is off in every row (``loss.kl_coef=0``: no reference model, no reference pass), so the
 comparison isolates the critic. Per row: seconds per update (wall clock around
@@ -147,6 +149,11 @@ def rows_spec(critic_layers: int) -> list[dict]:
         {"name": "sao attention trained", **sao, "K": 2, "freeze_attention": False, "backbone": "policy"},
         {"name": f"sao critic policy:{critic_layers}", **sao, "K": 2, "freeze_attention": True,
          "backbone": f"policy:{critic_layers}"},
+        # AsyPPO's lightweight critics (MISSION.md section 4): a two-layer head on the policy's
+        # detached hidden states, alone and as an ensemble of two (issue 13)
+        {"name": "sao critic head", **sao, "K": 2, "freeze_attention": True, "backbone": "head"},
+        {"name": "sao 2 head critics (asyppo)", **sao, "K": 2, "freeze_attention": True, "backbone": "head",
+         "num_critics": 2},
     ]
 
 
@@ -171,7 +178,7 @@ def run_row(base_model, batch, spec: dict, *, repeats: int, bf16, lr: float, tem
     ccfg = None
     if spec["advantage"] == "gae":
         ccfg = CriticConfig(updates_per_step=spec["K"], freeze_attention=spec["freeze_attention"],
-                            backbone=spec["backbone"])
+                            backbone=spec["backbone"], num_critics=spec.get("num_critics", 1))
     trainer = Trainer(model, tcfg, lcfg, temperature=temperature, critic_cfg=ccfg)
 
     mbs = trainer.pack(batch).micro_batches
@@ -209,8 +216,9 @@ def run_row(base_model, batch, spec: dict, *, repeats: int, bf16, lr: float, tem
         row["critic/updates"] = min(m["critic/updates"] for _, m in steps)
         row["critic/skipped_nonfinite"] = max(m["critic/skipped_nonfinite"] for _, m in steps)
         row["critic/value_loss"] = timed[-1][1].get("critic/value_loss")
-        row["critic_params"] = sum(critic_lib.param_count_by_kind(trainer.critic).values())
-        row["critic_trainable_params"] = sum(critic_lib.param_count_by_kind(trainer.critic, trainable_only=True).values())
+        row["critic_params"] = sum(sum(critic_lib.param_count_by_kind(c).values()) for c in trainer.critics)
+        row["critic_trainable_params"] = sum(sum(critic_lib.param_count_by_kind(c, trainable_only=True).values())
+                                             for c in trainer.critics)
     row["precision_note"] = trainer.precision_note
     del trainer, model, steps, timed, mbs
     gc.collect()

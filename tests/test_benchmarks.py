@@ -122,7 +122,7 @@ def test_critic_benchmark_quick(tmp_path):
     assert r["model"] == "tiny" and r["kl_coef"] == 0.0
     rows = {row["name"]: row for row in r["rows"]}
     assert list(rows) == ["grpo", "grpo, prompts not shared", "sao", "sao K=1", "sao attention trained",
-                          "sao critic policy:1"]
+                          "sao critic policy:1", "sao critic head", "sao 2 head critics (asyppo)"]
     grpo = rows["grpo"]
     for row in rows.values():
         assert row["seconds"] > 0 and row["tokens"] == grpo["tokens"] > 0, row["name"]
@@ -132,14 +132,18 @@ def test_critic_benchmark_quick(tmp_path):
     # the single-response layout packs every prompt; GRPO shares a group's prompt
     assert rows["sao"]["positions"] == rows["grpo, prompts not shared"]["positions"] > grpo["positions"]
     assert grpo["critic_s"] == 0 and "critic/updates" not in grpo
-    for name, k in (("sao", 2), ("sao K=1", 1), ("sao attention trained", 2), ("sao critic policy:1", 2)):
+    for name, k in (("sao", 2), ("sao K=1", 1), ("sao attention trained", 2), ("sao critic policy:1", 2),
+                    ("sao critic head", 2), ("sao 2 head critics (asyppo)", 4)):  # K per critic
         row = rows[name]
-        assert row["K"] == k and row["critic/updates"] == k and row["critic/skipped_nonfinite"] == 0, row
+        assert row["critic/updates"] == k and row["critic/skipped_nonfinite"] == 0, row
         assert row["critic_s"] > 0 and row["score_s"] > 0 and row["rest_s"] > 0, row
         assert row["critic_s"] + row["score_s"] < row["seconds"], row
     # frozen attention trains fewer critic parameters; policy:1 keeps fewer of them
     assert rows["sao"]["critic_trainable_params"] < rows["sao attention trained"]["critic_trainable_params"]
     assert rows["sao critic policy:1"]["critic_params"] < rows["sao"]["critic_params"]
+    # the head critic holds no backbone: a small fraction of a full critic's parameters
+    assert rows["sao critic head"]["critic_params"] < 0.2 * rows["sao"]["critic_params"]
+    assert rows["sao 2 head critics (asyppo)"]["critic_params"] == 2 * rows["sao critic head"]["critic_params"]
 
 def test_chaos_quick(tmp_path):
     """The chaos suite's quick mode (3 kill -9 + resume, damaged checkpoints, full disk, 100

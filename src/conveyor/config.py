@@ -146,7 +146,9 @@ class CriticConfig(_Strict):
     length-adaptive policy lambda with alpha 1.5, skip-observation GAE)."""
 
     backbone: str = Field(default="policy", description="policy (a copy of the policy's transformer), policy:L (its "
-                                                        "first L layers), or a model preset / HF dir with the policy's "
+                                                        "first L layers), head / head:H (AsyPPO's lightweight critic: a "
+                                                        "two-layer head of width H on the policy's detached hidden "
+                                                        "states), or a model preset / HF dir with the policy's "
                                                         "vocabulary (e.g. tiny)")
     lr: float = Field(default=5e-5, gt=0, description="critic learning rate (SAO: 5x the actor's)")
     weight_decay: float = Field(default=0.0, ge=0)
@@ -172,6 +174,14 @@ class CriticConfig(_Strict):
                                                                           "action segment (ablation)")
     whiten_advantages: bool = Field(default=False, description="normalise the batch's advantages to mean 0, std 1 "
                                                                "over action tokens")
+    num_critics: int = Field(default=1, ge=1, description="N critics (AsyPPO's mini-critic ensemble, MISSION.md "
+                                                          "section 4): response j of a prompt trains critic j mod N; "
+                                                          "the value is their mean")
+    mask_low_frac: float = Field(default=0.1, ge=0, le=1, description="with N >= 2: the share of action tokens with "
+                                                                      "the lowest inter-critic std whose advantage is "
+                                                                      "set to 0 (AsyPPO k)")
+    mask_high_frac: float = Field(default=0.2, ge=0, le=1, description="with N >= 2: the share with the highest std "
+                                                                       "removed from the entropy bonus (AsyPPO h)")
 
     @field_validator("backbone")
     @classmethod
@@ -180,6 +190,10 @@ class CriticConfig(_Strict):
             n = v.split(":", 1)[1]
             if not n.isdigit() or int(n) < 1:
                 raise ValueError(f"policy:L takes the policy's first L decoder layers, L an integer >= 1; got {v!r}")
+        elif v.startswith("head:"):
+            n = v.split(":", 1)[1]
+            if not n.isdigit() or int(n) < 1:
+                raise ValueError(f"head:H takes the value head's width H, an integer >= 1; got {v!r}")
         elif not v:
             raise ValueError("empty backbone (policy, policy:L, or a model preset / HF dir)")
         return v

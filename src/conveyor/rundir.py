@@ -74,6 +74,7 @@ FIXED_ON_RESUME = (
     ("critic", "backbone"),
     ("critic", "freeze_attention"),  # which parameters the critic's optimizer holds
     ("critic", "warmup_steps"),  # the warm-up's log steps (Trainer.log_step) depend on it
+    ("critic", "num_critics"),  # how many critics the checkpoint holds
 )
 # keys that decide which problems the held-out evaluation asks and how: fixed once
 # eval_before.json exists, or "before" and "after" would measure different things

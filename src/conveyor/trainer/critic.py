@@ -68,6 +68,7 @@ from conveyor.trainer.losses import LossOutput, aggregate
 __all__ = [
     "FAMILIES",
     "ValueModel",
+    "HeadCritic",
     "token_values",
     "build_value_model",
     "attention_modules",
@@ -219,7 +220,10 @@ def mlp_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def _modules_of_kind(model: nn.Module, kind: int, label: str) -> list[nn.Module]:
-    """The outermost modules of the family's attention (``kind`` 0) or MLP / MoE (1) classes."""
+    """The outermost modules of the family's attention (``kind`` 0) or MLP / MoE (1) classes
+    (none in a :class:`HeadCritic`: its parameters are the head's, "other")."""
+    if isinstance(model, HeadCritic):
+        return []
     model_type = _model_type(model)
     classes = _family_classes(model_type)[kind]
     found = _outermost(model, classes)
@@ -417,6 +421,76 @@ class ValueModel(nn.Module):
         return values.float()
 
 
+class HeadCritic(nn.Module):
+    """A lightweight critic (AsyPPO, arXiv 2510.01656; MISSION.md section 4): a two-layer value
+    head on the POLICY's last hidden states, detached (no second backbone).
+
+    ``V = fc2(gelu(fc1(h)))`` with ``h`` the policy body's last hidden state, computed without
+    gradient: only the head trains, and its cost is one forward pass of the policy's body (no
+    backward) plus two small matrix products, against a full critic's forward and backward
+    through a copy of the whole model. The policy body is referenced, not owned: it is not a
+    submodule (not in :meth:`parameters`, the critic's optimizer or its ``state_dict``), and it is
+    the policy's CURRENT parameters that are read (so the values follow the policy as it trains).
+
+    Init (seeded, the global RNG untouched): ``fc1.weight ~ N(0, 1 / d)`` (unit-variance
+    activations for an RMS-normalised ``h``), ``fc2.weight ~ N(0, (1 / (H + 1))^2)`` as the full
+    critic's head (OpenRLHF's value-head init), biases 0.
+
+    Args:
+        body: The policy's transformer body (the base model without the LM head).
+        hidden: ``H``, the head's width (default: the policy's ``hidden_size`` ``d``).
+        seed: Seed of the init.
+
+    Raises:
+        ValueError: ``body`` has no config with a positive ``hidden_size``; ``hidden`` < 1.
+    """
+
+    def __init__(self, body: nn.Module, hidden: int | None = None, *, seed: int = 0):
+        super().__init__()
+        config = getattr(body, "config", None)
+        if config is None:
+            raise ValueError(f"body ({type(body).__name__}) has no config: expected a transformers base model")
+        d = _hidden_size(config)
+        h = d if hidden is None else int(hidden)
+        if h < 1:
+            raise ValueError(f"head width must be >= 1, got {hidden}")
+        self._body = (body,)  # a reference, not a submodule (module docstring)
+        self.config = config
+        self.fc1 = nn.Linear(d, h, dtype=torch.float32)
+        self.fc2 = nn.Linear(h, 1, dtype=torch.float32)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.fc1.weight.copy_(torch.randn(h, d, generator=g) / math.sqrt(d))
+            self.fc2.weight.copy_(torch.randn(1, h, generator=g) / (h + 1))
+            self.fc1.bias.zero_()
+            self.fc2.bias.zero_()
+
+    @property
+    def body(self) -> nn.Module:
+        """The policy body the head reads (not owned)."""
+        return self._body[0]
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
+                attention_mask: Tensor | None = None) -> Tensor:
+        """Values of every state of the rows, aligned as :meth:`ValueModel.forward`.
+
+        Returns:
+            ``values [B, T]`` float32; gradients flow into the head only.
+
+        Raises:
+            ValueError: ``input_ids`` not 2-D.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got {list(input_ids.shape)}")
+        with torch.no_grad():
+            hidden = self.body(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                               use_cache=False).last_hidden_state
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            x = hidden.detach().float()
+            values = self.fc2(nn.functional.gelu(self.fc1(x))).squeeze(-1)
+        return values
+
+
 def token_values(
     model: ValueModel,
     input_ids: Tensor,
@@ -530,7 +604,7 @@ def _embedding_rows(body: nn.Module) -> int:
 
 
 def build_value_model(policy: nn.Module, backbone: str = "policy", *, seed: int = 0,
-                      tokenizer=None) -> ValueModel:
+                      tokenizer=None) -> ValueModel | HeadCritic:
     """Build the critic (MISSION.md section 3; SAO arXiv 2607.07508) for ``policy``.
 
     Args:
@@ -543,6 +617,9 @@ def build_value_model(policy: nn.Module, backbone: str = "policy", *, seed: int 
             * ``"policy:L"``: a copy of the policy's embeddings, first ``L`` decoder layers and
               final norm (``config.num_hidden_layers`` and per-layer config lists such as
               ``layer_types`` are cut to ``L`` in the copy); the dropped layers are not copied.
+            * ``"head"`` / ``"head:H"``: a :class:`HeadCritic` (AsyPPO's lightweight critic: a
+              two-layer head of width ``H``, default the hidden size, on the policy's own
+              detached hidden states; no copy of the policy).
             * any other string: a reference :func:`conveyor.models.load_model` accepts (``"tiny"``,
               a preset, a local Hugging Face directory, a ``.gguf`` file), loaded with ``seed``;
               its body is used. It must read the policy's token ids: its input-embedding rows
@@ -552,7 +629,8 @@ def build_value_model(policy: nn.Module, backbone: str = "policy", *, seed: int 
         tokenizer: Optional, the policy's tokenizer, for the vocabulary check of a loaded backbone.
 
     Returns:
-        A :class:`ValueModel` with float32 parameters, all trainable (apply
+        A :class:`HeadCritic` for ``"head[:H]"``; otherwise a :class:`ValueModel` with float32
+        parameters, all trainable (apply
         :func:`freeze_attention` for SAO), gradients cleared, in the train / eval mode of the
         source body (:func:`conveyor.models.load_model` returns eval mode).
 
@@ -564,6 +642,11 @@ def build_value_model(policy: nn.Module, backbone: str = "policy", *, seed: int 
         conveyor.models.ModelLoadError: the reference cannot be loaded.
     """
     body = _policy_body(policy)
+    if backbone == "head" or backbone.startswith("head:"):
+        width = backbone.removeprefix("head").removeprefix(":")
+        if width and (not width.isdigit() or int(width) < 1):
+            raise ValueError(f"head:H takes the head's width H, an integer >= 1; got {backbone!r}")
+        return HeadCritic(body, int(width) if width else None, seed=seed)
     if backbone == "policy":
         copied = copy.deepcopy(body)
     elif backbone.startswith("policy:"):

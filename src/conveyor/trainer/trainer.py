@@ -24,6 +24,7 @@ from conveyor.sync import WeightUpdate
 from conveyor.trainer import advantages as adv_lib
 from conveyor.trainer import corrections as corr_lib
 from conveyor.trainer import critic as critic_lib
+from conveyor.trainer import ensemble as ensemble_lib
 from conveyor.trainer import gae as gae_lib
 from conveyor.trainer import losses as loss_lib
 from conveyor.trainer.batch import (
@@ -124,6 +125,12 @@ class Scores:
             response token (actions and observations).
         returns: The critic's regression targets, set with the advantages (GAE with the critic's
             lambda; :mod:`conveyor.trainer.gae`).
+        value_std: With ``critic.num_critics`` >= 2: the critics' per-token std (``values`` is
+            then their mean; AsyPPO, :mod:`conveyor.trainer.ensemble`).
+        entropy_keep: With an ensemble: 1 on action tokens that keep the entropy bonus, 0 on the
+            highest-std share ``critic.mask_high_frac`` (set with the advantages).
+        critic_values: With an ensemble: ``[N, R, L]``, each critic's own pre-update values.
+        ensemble_metrics: ``critic/ensemble_*`` statistics of the step.
     """
 
     proximal: list[torch.Tensor | None]
@@ -132,6 +139,10 @@ class Scores:
     values: list[torch.Tensor | None] = field(default_factory=list)
     returns: list[torch.Tensor | None] = field(default_factory=list)
     value_seconds: float = 0.0
+    value_std: list[torch.Tensor | None] = field(default_factory=list)
+    entropy_keep: list[torch.Tensor | None] = field(default_factory=list)
+    critic_values: list[torch.Tensor | None] = field(default_factory=list)
+    ensemble_metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -226,26 +237,37 @@ class Trainer:
         self.baseline = gae_lib.SlidingWindowBaseline(loss_cfg.baseline_window) if loss_cfg.advantage == "sliding_window" else None
         # the critic (MISSION.md section 3): its own model and updater; K updates per policy update
         self.critic_cfg = critic_cfg or CriticConfig()
-        self.critic: critic_lib.ValueModel | None = None
-        self.critic_updater: Updater | None = None
+        self.critic: critic_lib.ValueModel | critic_lib.HeadCritic | None = None  # critics[0]
+        self.critic_updater: Updater | None = None  # critic_updaters[0]
+        # AsyPPO's ensemble (MISSION.md section 4): critic.num_critics critics, each its own updater
+        self.critics: list = []
+        self.critic_updaters: list[Updater] = []
         self.critic_warmup_done = 0  # critic-only steps taken before RL (critic.warmup_steps)
         self.critic_note = ""
         if loss_cfg.advantage == "gae":
             cc = self.critic_cfg
-            try:
-                self.critic = critic_lib.build_value_model(model, cc.backbone, seed=0)
-            except (ValueError, RuntimeError) as e:  # e.g. policy:L beyond the policy's layers, an unknown model
-                raise ConfigError(f"critic.backbone={cc.backbone}: {e}") from e
-            frozen = critic_lib.freeze_attention(self.critic) if cc.freeze_attention else 0
             k = cc.updates_per_step
-            self.critic_updater = Updater.adamw(
-                "critic", self.critic, lr=cc.lr, betas=cc.betas, weight_decay=cc.weight_decay, grad_clip=cc.grad_clip,
-                total_steps=(trainer_cfg.total_steps + cc.warmup_steps) * k, fused=trainer_cfg.use_fused_optimizer,
-                foreach=trainer_cfg.optimizer_foreach,
-            )
-            self.updaters.append(self.critic_updater)
+            frozen = 0
+            for i in range(cc.num_critics):
+                try:  # seed i: each critic its own value-head init
+                    critic = critic_lib.build_value_model(model, cc.backbone, seed=i)
+                except (ValueError, RuntimeError) as e:  # e.g. policy:L beyond the policy's layers, an unknown model
+                    raise ConfigError(f"critic.backbone={cc.backbone}: {e}") from e
+                frozen = critic_lib.freeze_attention(critic) if cc.freeze_attention else 0
+                up = Updater.adamw(
+                    "critic" if i == 0 else f"critic{i}", critic, lr=cc.lr, betas=cc.betas,
+                    weight_decay=cc.weight_decay, grad_clip=cc.grad_clip,
+                    total_steps=(trainer_cfg.total_steps + cc.warmup_steps) * k, fused=trainer_cfg.use_fused_optimizer,
+                    foreach=trainer_cfg.optimizer_foreach,
+                )
+                self.critics.append(critic)
+                self.critic_updaters.append(up)
+                self.updaters.append(up)
+            self.critic, self.critic_updater = self.critics[0], self.critic_updaters[0]
             counts = critic_lib.param_count_by_kind(self.critic)
-            self.critic_note = (f"critic: backbone {cc.backbone} ({sum(counts.values()):,} parameters, "
+            ens = (f"{cc.num_critics} critics (AsyPPO ensemble: mask k {cc.mask_low_frac}, h {cc.mask_high_frac}), each "
+                   if cc.num_critics > 1 else "")
+            self.critic_note = (f"critic: {ens}backbone {cc.backbone} ({sum(counts.values()):,} parameters, "
                                 f"{frozen:,} of them in frozen attention), K = {k} updates per policy update")
             log.info(self.critic_note)
 
@@ -297,11 +319,12 @@ class Trainer:
                 entropy_grad=entropy_grad,
             )
 
-    def _values(self, mb: PackedBatch, mask: torch.Tensor) -> torch.Tensor:
-        """The critic's values ``[R, L]`` (float32) at the positions where ``mask`` > 0."""
+    def _values(self, mb: PackedBatch, mask: torch.Tensor, critic=None) -> torch.Tensor:
+        """A critic's values ``[R, L]`` (float32) at the positions where ``mask`` > 0
+        (``critic``: default the first)."""
         with self._autocast():
-            return critic_lib.token_values(self.critic, mb.input_ids, mb.position_ids, mask=mask,
-                                           attention_mask=mb.attention_mask)
+            return critic_lib.token_values(critic if critic is not None else self.critic, mb.input_ids,
+                                           mb.position_ids, mask=mask, attention_mask=mb.attention_mask)
 
     def weight_update(self) -> WeightUpdate:
         """The current parameters as a :class:`WeightUpdate` stamped with :attr:`version`."""
@@ -405,7 +428,8 @@ class Trainer:
         response token (``loss.advantage=gae``; observation tokens included, for the naive-GAE
         ablation). ``values_only``: the critic's values alone (a critic warm-up step)."""
         n = len(batch.micro_batches)
-        scores = Scores([None] * n, [None] * n, [None] * n, [None] * n, [None] * n)
+        scores = Scores([None] * n, [None] * n, [None] * n, [None] * n, [None] * n, value_std=[None] * n,
+                        entropy_keep=[None] * n, critic_values=[None] * n)
         # With one optimizer step per batch the parameters before the update are the ones of the
         # gradient forward pass, so pi_prox = that pass's log-probs, detached: identical values
         # (same parameters, same kernels), one forward pass fewer. With several minibatches the
@@ -422,7 +446,14 @@ class Trainer:
                     scores.reference[j], _ = self._logprobs(self.ref_model, mb)
                 if self.critic is not None:
                     t_v = time.perf_counter()
-                    scores.values[j] = self._values(mb, mask=(mb.response_index >= 0).float())
+                    resp = (mb.response_index >= 0).float()
+                    if len(self.critics) == 1:
+                        scores.values[j] = self._values(mb, mask=resp)
+                    else:  # the ensemble's mean, and its per-token std (AsyPPO)
+                        each = torch.stack([self._values(mb, mask=resp, critic=c) for c in self.critics])
+                        mean, std = ensemble_lib.ensemble_stats(each, resp)
+                        scores.values[j], scores.value_std[j] = mean * resp, std * resp
+                        scores.critic_values[j] = each  # [N, R, L]: each critic's own (value clipping)
                     scores.value_seconds += time.perf_counter() - t_v
         return scores
 
@@ -500,27 +531,93 @@ class Trainer:
                 mean, std = flat.mean(), flat.std(unbiased=False)
                 for mb in batch.micro_batches:
                     mb.advantages = (mb.advantages - mean) / (std + 1e-8) * mb.mask
+        if len(self.critics) > 1:
+            self._uncertainty_masks(batch, scores)
         batch.sequence_advantages = seq_adv
+
+    def _uncertainty_masks(self, batch: StepBatch, scores: Scores) -> None:
+        """AsyPPO's masks from the critics' disagreement (MISSION.md section 4;
+        :func:`conveyor.trainer.ensemble.uncertainty_masks`) over the action tokens of the WHOLE
+        batch: the ``critic.mask_low_frac`` share with the lowest inter-critic std get advantage
+        0, the ``critic.mask_high_frac`` share with the highest leave the entropy bonus
+        (``scores.entropy_keep``)."""
+        cc = self.critic_cfg
+        mbs = batch.micro_batches
+        sel = [mb.mask > 0 for mb in mbs]
+        std = torch.cat([scores.value_std[j][sel[j]] for j in range(len(mbs))]).unsqueeze(0)
+        adv_keep, ent_keep = ensemble_lib.uncertainty_masks(std, torch.ones_like(std), low_frac=cc.mask_low_frac,
+                                                            high_frac=cc.mask_high_frac)
+        o = 0
+        for j, mb in enumerate(mbs):
+            n = int(sel[j].sum())
+            a = torch.zeros_like(mb.mask)
+            e = torch.zeros_like(mb.mask)
+            a[sel[j]] = adv_keep[0, o:o + n].to(a.dtype)
+            e[sel[j]] = ent_keep[0, o:o + n].to(e.dtype)
+            mb.advantages = mb.advantages * a
+            scores.entropy_keep[j] = e
+            o += n
+        n_tok = max(1, std.numel())
+        scores.ensemble_metrics = {
+            "critic/ensemble_std_mean": float(std.mean()) if std.numel() else 0.0,
+            "critic/advantage_masked_frac": float((adv_keep == 0).sum()) / n_tok,
+            "critic/entropy_masked_frac": float((ent_keep == 0).sum()) / n_tok,
+        }
 
     def critic_update(self, batch: StepBatch, scores: Scores) -> dict[str, float]:
         """Phase 5 (``loss.advantage=gae``): ``critic.updates_per_step`` (K) optimiser steps of the
         critic on the returns computed once with the pre-update critic (SAO, MISSION.md section 3),
         each over the whole batch: ``0.5 (V - R)^2``, a token-mean over action tokens (observation
-        tokens carry no value loss), optionally clipped around the pre-update values.
+        tokens carry no value loss), optionally clipped around the pre-update values. With
+        ``critic.num_critics`` N >= 2 (AsyPPO, MISSION.md section 4) critic ``c`` trains on its
+        shard only: response ``j`` of each prompt goes to critic ``j mod N``
+        (:func:`conveyor.trainer.ensemble.critic_sample_masks`); with one response per prompt
+        (single-rollout streaming) the batch position takes the place of ``j``.
 
         Returns:
             ``critic/*`` metrics: value loss of the first and last update, explained variance of
             the pre-update critic, value / return means, clip fraction, gradient norm per block
-            kind (attention, mlp, other; before clipping, mean over the K updates), lr, steps.
-            An update with a non-finite loss or gradient norm is skipped and counted.
+            kind (attention, mlp, other; before clipping, mean over the K updates), lr, steps
+            (means over the critics of an ensemble, plus ``critic/ensemble_*``). An update with a
+            non-finite loss or gradient norm is skipped and counted.
         """
-        cc, up = self.critic_cfg, self.critic_updater
         mbs = batch.micro_batches
-        denom = sum(float(mb.mask.sum()) for mb in mbs)
+        if sum(float(mb.mask.sum()) for mb in mbs) == 0:
+            return {}
+        n = len(self.critics)
+        if n == 1:
+            return self._critic_update_one(self.critic, self.critic_updater, mbs, scores, [mb.mask for mb in mbs],
+                                           scores.values)
+        trajs = batch.trajectories
+        groups = [t.group_id for t in trajs]
+        if len(set(groups)) == len(groups):  # one response per prompt: shard by batch position
+            groups = [0] * len(groups)
+        shard = ensemble_lib.critic_sample_masks(groups, n)  # [N, B] over the batch's trajectories
+        per: list[dict[str, float]] = []
+        for c in range(n):
+            masks = []
+            for mb in mbs:
+                own = shard[c][torch.tensor(mb.indices, dtype=torch.long)].float()  # [S] of this micro-batch
+                masks.append(mb.mask * own[mb.seq_index.clamp(min=0)] * (mb.seq_index >= 0))
+            old = [scores.critic_values[j][c] for j in range(len(mbs))]
+            per.append(self._critic_update_one(self.critics[c], self.critic_updaters[c], mbs, scores, masks, old))
+        keys = {k for m in per for k in m}
+        metrics = {k: sum(m[k] for m in per if k in m) / sum(1 for m in per if k in m) for k in keys}
+        metrics["critic/updates"] = sum(m.get("critic/updates", 0.0) for m in per)
+        metrics["critic/skipped_nonfinite"] = sum(m.get("critic/skipped_nonfinite", 0.0) for m in per)
+        metrics.update(scores.ensemble_metrics)
+        return metrics
+
+    def _critic_update_one(self, critic, up: Updater, mbs: list[PackedBatch], scores: Scores,
+                           masks: list[torch.Tensor], old_values: list[torch.Tensor]) -> dict[str, float]:
+        """K optimiser steps of one critic on the tokens of ``masks`` (one ``[R, L]`` per
+        micro-batch), value clipping around its own pre-update ``old_values``."""
+        cc = self.critic_cfg
+        denom = sum(float(m.sum()) for m in masks)
         metrics: dict[str, float] = {}
         if denom == 0:
             return metrics
-        self.critic.train()
+        critic.train()
         kinds: dict[str, float] = {"attention": 0.0, "mlp": 0.0, "other": 0.0}
         losses, skipped, norms = [], 0, []
         first = None
@@ -529,8 +626,11 @@ class Trainer:
             outs = []
             finite = True
             for j, mb in enumerate(mbs):
-                v = self._values(mb, mask=mb.mask)
-                out = critic_lib.value_loss(v, scores.returns[j], mb.mask, old_values=scores.values[j] * mb.mask,
+                m = masks[j]
+                if not bool((m > 0).any()):
+                    continue
+                v = self._values(mb, mask=m, critic=critic)
+                out = critic_lib.value_loss(v, scores.returns[j], m, old_values=old_values[j] * m,
                                             clip=cc.value_clip)
                 loss = out.loss_sum / denom
                 if not torch.isfinite(loss):
@@ -541,7 +641,7 @@ class Trainer:
                 del loss, v
                 self._trim()
             if finite:
-                for name, g in critic_lib.grad_norm_by_kind(self.critic).items():
+                for name, g in critic_lib.grad_norm_by_kind(critic).items():
                     kinds[name] += g / cc.updates_per_step
             gn = up.clip_grad_norm()
             if not finite or not torch.isfinite(gn):
@@ -554,7 +654,7 @@ class Trainer:
             losses.append(vm["loss"])
             if first is None:
                 first = vm
-        self.critic.eval()
+        critic.eval()
         if first is not None:
             metrics.update({
                 "critic/value_loss": first["loss"], "critic/value_loss_last": losses[-1],
@@ -624,7 +724,9 @@ class Trainer:
                 out = self.objective.loss(inputs, lc, self.dis_eps)
                 loss = out.loss_sum
                 if bonus:  # aggregated like the loss (its token weights and denominator)
-                    loss = loss - lc.entropy_coef * loss_lib.entropy_bonus(ent, mb.mask, token_weights=batch.token_weights[j])
+                    # an ensemble's highest-disagreement tokens leave the bonus (AsyPPO)
+                    ent_mask = mb.mask if scores.entropy_keep[j] is None else mb.mask * scores.entropy_keep[j]
+                    loss = loss - lc.entropy_coef * loss_lib.entropy_bonus(ent, ent_mask, token_weights=batch.token_weights[j])
                 if scores.reference[j] is not None:
                     # aggregated like the policy loss (loss.aggregation's weights and denominator;
                     # verl agg_loss on the KL term); not masked by loss.kl_reject (verl drops
@@ -746,6 +848,8 @@ class Trainer:
             "proximal": self.proximal.state_dict(),
             **({"critic": self.critic_updater.state_dict(), "critic_warmup_done": self.critic_warmup_done}
                if self.critic_updater is not None else {}),
+            **({"critics_more": [u.state_dict() for u in self.critic_updaters[1:]]}
+               if len(self.critic_updaters) > 1 else {}),
             **({"baseline": self.baseline.state_dict()} if self.baseline is not None else {}),
         }
 
@@ -763,6 +867,12 @@ class Trainer:
                 raise ValueError("the checkpoint has no critic (it was written with loss.advantage != gae); "
                                  "resume it with its own loss.advantage")
             self.critic_updater.load_state_dict(state["critic"])
+            more = state.get("critics_more", [])
+            if len(more) != len(self.critic_updaters) - 1:
+                raise ValueError(f"the checkpoint holds {len(more) + 1} critic(s), this run {len(self.critic_updaters)} "
+                                 "(critic.num_critics cannot change on resume)")
+            for u, st in zip(self.critic_updaters[1:], more, strict=True):
+                u.load_state_dict(st)
             self.critic_warmup_done = int(state.get("critic_warmup_done", 0))
         if self.baseline is not None and "baseline" in state:
             self.baseline.load_state_dict(state["baseline"])

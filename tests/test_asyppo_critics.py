@@ -1,0 +1,174 @@
+"""AsyPPO's critics in the trainer (issue 13 section 1; MISSION.md section 4): the lightweight
+head critic on the policy's detached hidden states, and the mini-critic ensemble (shards,
+mean value, uncertainty masks on the advantages and the entropy bonus, checkpoints)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conveyor.config import CriticConfig, LossConfig, TrainerConfig, load_config
+from conveyor.trainer import critic as critic_lib
+from conveyor.trainer.trainer import Trainer
+from conveyor.types import Sample, Trajectory
+
+
+def traj(i, n, reward, group):
+    g = torch.Generator().manual_seed(i)
+    resp = torch.randint(3, 900, (n,), generator=g).tolist()
+    return Trajectory(sample=Sample(f"s{group}", "q", "1", "t"), group_id=f"g{group}", prompt_ids=[10 + group, 11, 12],
+                      response_ids=resp, behaviour_logprobs=[-3.0] * n, versions=[0] * n, reward=float(reward))
+
+
+def make_trainer(tiny, **critic):
+    torch.manual_seed(0)
+    lc = LossConfig(name="dis", advantage="gae", kl_coef=0.0, entropy_coef=0.01)
+    tc = TrainerConfig(bf16=False, lr=1e-3, warmup_steps=0)
+    return Trainer(copy.deepcopy(tiny.model), tc, lc, critic_cfg=CriticConfig(**{"lr": 1e-2, **critic}))
+
+
+# ------------------------------------------------------------------ the head critic
+def test_head_critic_reads_the_policy_and_trains_only_its_head(tiny):
+    policy = copy.deepcopy(tiny.model)
+    head = critic_lib.build_value_model(policy, "head:16", seed=3)
+    assert isinstance(head, critic_lib.HeadCritic)
+    names = {n for n, _ in head.named_parameters()}
+    assert names == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}  # no backbone copy
+    assert set(head.state_dict()) == names and head.fc1.weight.shape == (16, policy.config.hidden_size)
+    assert critic_lib.freeze_attention(head) == 0
+    ids = torch.tensor([[5, 6, 7, 8]])
+    v = head(ids, torch.arange(4)[None])
+    assert v.shape == (1, 4) and v.dtype == torch.float32
+    v.sum().backward()
+    assert all(p.grad is None for p in policy.parameters())  # detached: the policy gets nothing
+    kinds = critic_lib.grad_norm_by_kind(head)
+    assert kinds["attention"] == 0.0 and kinds["mlp"] == 0.0 and kinds["other"] > 0
+    # the values follow the policy's CURRENT parameters (a reference, not a copy)
+    with torch.no_grad():
+        before = head(ids, torch.arange(4)[None])
+        for p in policy.parameters():
+            p.add_(0.05)
+        assert not torch.allclose(head(ids, torch.arange(4)[None]), before)
+    with pytest.raises(ValueError, match="head:H"):
+        critic_lib.build_value_model(policy, "head:0")
+    with pytest.raises(Exception, match="head:H"):
+        load_config(None, ["critic.backbone=head:x"])
+
+
+def test_head_critic_training_step_leaves_the_policy_to_the_policy_optimizer(tiny):
+    tr = make_trainer(tiny, backbone="head", updates_per_step=2)
+    assert "head" in tr.critic_note and sum(p.numel() for p in tr.critic.parameters()) < 0.2 * sum(
+        p.numel() for p in tr.model.parameters())
+    trajs = [traj(i, 6, i % 2, i) for i in range(4)]
+    w0 = copy.deepcopy(tr.critic.state_dict())
+    m = tr.train_step(trajs)
+    assert m["critic/updates"] == 2 and m["critic/value_loss"] >= 0
+    assert not torch.equal(w0["fc2.weight"], tr.critic.fc2.weight)
+
+
+# ------------------------------------------------------------------ the ensemble
+def test_ensemble_shards_responses_j_mod_n(tiny):
+    """Critic c trains on response j of each prompt with j mod 2 == c: changing the rewards of
+    critic 1's responses changes nothing in critic 0 after the update, and vice versa."""
+    def run(rewards):
+        tr = make_trainer(tiny, num_critics=2, backbone="head:8", updates_per_step=1, mask_low_frac=0.0,
+                          mask_high_frac=0.0)
+        trajs = [traj(i, 5, rewards[i], i // 2) for i in range(4)]  # 2 prompts x 2 responses
+        batch = tr.pack(trajs)
+        scores = tr.score(batch)
+        tr.assign_advantages(batch, scores)
+        m = tr.critic_update(batch, scores)
+        return tr, m
+
+    a, m = run([1.0, 0.0, 1.0, 0.0])
+    b, _ = run([1.0, 5.0, 1.0, 5.0])  # responses 1 and 3: index 1 in their prompts -> critic 1
+    c, _ = run([7.0, 0.0, 7.0, 0.0])  # responses 0 and 2 -> critic 0
+    assert torch.equal(a.critics[0].fc2.weight, b.critics[0].fc2.weight)
+    assert not torch.equal(a.critics[1].fc2.weight, b.critics[1].fc2.weight)
+    assert torch.equal(a.critics[1].fc2.weight, c.critics[1].fc2.weight)
+    assert not torch.equal(a.critics[0].fc2.weight, c.critics[0].fc2.weight)
+    assert m["critic/updates"] == 2  # one step for each critic
+    # different value-head inits: the critics disagree before any training
+    assert not torch.equal(a.critics[0].fc1.weight, make_trainer(tiny, num_critics=2, backbone="head:8").critics[1].fc1.weight)
+
+
+def test_ensemble_value_is_the_mean_and_masks_follow_the_std(tiny):
+    """Two critics with hand-set values on one 10-token response: critic 1 gives 0 everywhere,
+    critic 2 gives 0.1 .. 1.0 (the issue's example). GAE runs on the mean; the token with the
+    lowest std (token 0) gets advantage 0; tokens 8 and 9 (highest std) leave the entropy bonus."""
+    tr = make_trainer(tiny, num_critics=2, backbone="head:8", policy_lam=1.0)
+    second = [0.1 * (k + 1) for k in range(10)]
+
+    def values(mb, mask, critic=None):
+        out = torch.zeros(mb.mask.shape)
+        if critic is tr.critics[1]:
+            for r in range(out.shape[0]):
+                for j in range(out.shape[1]):
+                    k = int(mb.response_index[r, j])
+                    if k >= 0 and mask[r, j] > 0:
+                        out[r, j] = second[k]
+        return out
+
+    tr._values = values
+    t = traj(0, 10, 1.0, 0)
+    batch = tr.pack([t])
+    scores = tr.score(batch)
+    tr.assign_advantages(batch, scores)
+    mb = batch.micro_batches[0]
+    sel = mb.response_index >= 0
+    order = mb.response_index[sel].argsort()
+    v = scores.values[0][sel][order]
+    assert v.tolist() == pytest.approx([s / 2 for s in second])  # the mean
+    adv = mb.advantages[sel][order]
+    # gamma 1, lambda 1: A_k = R - V_k = 1 - mean_k; token 0 masked to 0
+    assert adv[0] == 0.0 and adv[1:].tolist() == pytest.approx([1 - s / 2 for s in second[1:]])
+    keep = scores.entropy_keep[0][sel][order].tolist()
+    assert keep == [1.0] * 8 + [0.0, 0.0]
+    assert scores.ensemble_metrics["critic/advantage_masked_frac"] == pytest.approx(0.1)
+    assert scores.ensemble_metrics["critic/entropy_masked_frac"] == pytest.approx(0.2)
+
+
+def test_ensemble_train_step_and_checkpoint_round_trip(tiny):
+    tr = make_trainer(tiny, num_critics=2, backbone="head:8")
+    trajs = [traj(i, 4 + i, i % 2, i // 2) for i in range(4)]
+    m = tr.train_step(trajs)
+    assert m["critic/updates"] == 4 and "critic/ensemble_std_mean" in m and m["critic/ensemble_std_mean"] > 0
+    state = tr.state_dict()
+    assert len(state["critics_more"]) == 1
+    tr2 = make_trainer(tiny, num_critics=2, backbone="head:8")
+    tr2.load_state_dict(state)
+    for a, b in zip(tr.critics, tr2.critics, strict=True):
+        assert torch.equal(a.fc2.weight, b.fc2.weight)
+    one = make_trainer(tiny, num_critics=1, backbone="head:8")
+    with pytest.raises(ValueError, match="num_critics"):
+        one.load_state_dict(state)
+    # single rollout (one response per prompt): shards by batch position, both critics train
+    single = [traj(i, 5, i % 2, 10 + i) for i in range(4)]
+    m = tr.train_step(single)
+    assert m["critic/updates"] == 4
+
+
+def test_asyppo_run_end_to_end_and_num_critics_fixed_on_resume(tmp_path):
+    import json
+    from pathlib import Path
+
+    from conveyor.rundir import check_resume_compatible
+    from conveyor.train import run_training
+
+    preset = load_config(Path(__file__).resolve().parents[1] / "configs" / "asyppo.yaml")
+    assert (preset.critic.backbone, preset.critic.num_critics, preset.loss.advantage) == ("head", 2, "gae")
+    assert preset.rollout.group_size * preset.trainer.batch_size == 16  # the grpo / sao budget per update
+    run = tmp_path / "r"
+    args = ["model.name=tiny", "trainer.batch_size=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
+            "run.progress=false", "run.export=false", "reward.workers=1", "rollout.tool=none", "data.heldout=",
+            "loss.advantage=gae", "critic.backbone=head:16", "critic.num_critics=2", "critic.warmup_steps=1",
+            "trainer.total_steps=2", f"run.dir={run}"]
+    res = run_training(load_config(None, args))
+    assert res.steps == 2
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["critic/updates"] == 4 and r["critic/ensemble_std_mean"] >= 0 for r in rows)
+    with pytest.raises(ValueError, match="critic.num_critics cannot change on resume"):
+        check_resume_compatible(run, load_config(None, [*args, "critic.num_critics=3"]))
