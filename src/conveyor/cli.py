@@ -19,7 +19,7 @@ from rich.console import Console
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
-    help="conveyor: asynchronous RL post-training of LLMs (train, eval, datasets, report, simulate, serve).",
+    help="conveyor: asynchronous RL post-training of LLMs (train, eval, datasets, report, inspect, simulate, serve).",
 )
 console = Console()
 
@@ -269,6 +269,56 @@ def report_cmd(run_dir: Path) -> None:
         console.print(str(plot_report(run_dir)))
     except (FileNotFoundError, RunFileError) as e:
         _fail(str(e))
+
+
+@app.command("inspect")
+def inspect_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="a conveyor train run directory (read only)")],
+    sample: Annotated[int, typer.Option(help="record index in the run's latest held-out evaluation file")] = 0,
+    layer: Annotated[int | None, typer.Option(help="layer 0..L-1 (default: the last)")] = None,
+    head: Annotated[int | None, typer.Option(help="head 0..H-1 (default: the mean over heads)")] = None,
+    top: Annotated[int, typer.Option(help="links per target token")] = 3,
+    target: Annotated[int | None, typer.Option(help="one target token (position in prompt + response; default: every response token)")] = None,
+    exclude_self: Annotated[bool, typer.Option("--exclude-self", help="leave out i -> i links, normalise over the rest")] = False,
+    plot: Annotated[Path | None, typer.Option(help="save a heat map of the response tokens here (PNG)")] = None,
+) -> None:
+    """Attention inspection: the strongest links `Step s: Token j -> Token i  w%` of one held-out
+    trajectory under the run's policy (export, else newest intact checkpoint, else the base
+    model, said so), weights normalised per target token; one forward pass with eager attention.
+    """
+    from rich.markup import escape
+
+    from conveyor.data import DatasetError
+    from conveyor.inspect_attention import InspectError, inspect_run, plot_attention
+    from conveyor.models import ModelLoadError
+
+    def note(msg: str) -> None:
+        console.print(f"[bold yellow]note:[/] {escape(msg)}", emoji=False, soft_wrap=True)
+
+    try:
+        res = inspect_run(run_dir, sample=sample, layer=layer, head=head, top=top, target=target,
+                          exclude_self=exclude_self, warn=note)
+    except (FileNotFoundError, InspectError, ModelLoadError, DatasetError) as e:
+        _fail(str(e))
+    tr = res.trajectory
+    head_txt = "mean over heads" if res.head is None else f"head {res.head}"
+    verdict = {True: "correct", False: "wrong", None: "unknown"}[tr.correct]
+    console.print(f"policy: {res.policy.source}", markup=False, soft_wrap=True)
+    console.print(f"trajectory: record {tr.index} of {tr.eval_file} ({tr.sample_id}, {verdict}); "
+                  f"prompt tokens 0..{res.prompt_len - 1}, response tokens {res.prompt_len}..{len(tr.ids) - 1} "
+                  "(the response text re-encoded)", markup=False, soft_wrap=True)
+    console.print(f"layer {res.layer} of 0..{res.num_layers - 1}, {head_txt} ({res.num_heads} heads); top {top} "
+                  f"links per target, normalised per target{', self-links excluded' if exclude_self else ''}",
+                  markup=False, soft_wrap=True)
+    for line in res.lines:
+        console.print(line, markup=False, highlight=False, emoji=False, soft_wrap=True)
+    if plot is not None:
+        title = f"{run_dir.name}: {tr.sample_id}, layer {res.layer}, {head_txt}"
+        try:
+            out = plot_attention(res.matrix, res.labels, res.prompt_len, plot, title=title)
+        except OSError as e:
+            _fail(f"cannot write the heat map {plot}: {e}")
+        console.print(f"heat map written to {out}", markup=False, soft_wrap=True)
 
 
 @app.command("simulate")

@@ -1,0 +1,195 @@
+"""Attention inspection (issue 13 section 4): the pure link functions on hand-made matrices, and
+``conveyor inspect`` end to end on a 1-step tiny training run."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conveyor.cli import app
+from conveyor.inspect_attention import (
+    InspectError,
+    Link,
+    format_links,
+    inspect_run,
+    load_policy,
+    plot_attention,
+    select_attention,
+    top_links,
+)
+
+STUB = [[1, 0, 0], [0.25, 0.75, 0], [0.1, 0.3, 0.6]]
+LINE = re.compile(r"^Step (\d+): Token (\d+)(?: \".*\")? -> Token (\d+)(?: \".*\")?  (\d+\.\d\d)%$")
+
+
+def test_issue_stub_matrix():
+    links = top_links(STUB, 2, 2)
+    assert format_links(links) == ["Step 1: Token 2 -> Token 2  60.00%", "Step 2: Token 1 -> Token 2  30.00%"]
+    links = top_links(STUB, 2, 2, exclude_self=True)
+    assert format_links(links) == ["Step 1: Token 1 -> Token 2  75.00%", "Step 2: Token 0 -> Token 2  25.00%"]
+    # a torch tensor works the same; k larger than the row gives the whole row
+    assert [ln.source for ln in top_links(torch.tensor(STUB), 2, 10)] == [2, 1, 0]
+
+
+def test_normalised_per_target_and_labels():
+    # an unnormalised row: weights are shares of the row (sources 0..i only; above the diagonal ignored)
+    a = np.array([[2.0, 9.0, 9.0], [1.0, 3.0, 9.0], [0.0, 0.0, 0.0]])
+    assert top_links(a, 1, 2) == [Link(1, 1, 0.75), Link(0, 1, 0.25)]
+    assert format_links(top_links(a, 1, 1), labels=["a", "b\n", "c"]) == ['Step 1: Token 1 "b\\n" -> Token 1 "b\\n"  75.00%']
+    assert top_links(a, 2, 3) == []  # no weight at all: no links
+
+
+def test_ties_break_by_lower_source():
+    a = np.tril(np.ones((4, 4)))
+    a[3] = [0.2, 0.3, 0.3, 0.2]
+    assert [(ln.source, round(ln.weight, 6)) for ln in top_links(a, 3, 4)] == [(1, 0.3), (2, 0.3), (0, 0.2), (3, 0.2)]
+    assert [ln.source for ln in top_links(a, 3, 2, exclude_self=True)] == [1, 2]
+
+
+def test_exclude_self_on_a_self_only_row_gives_no_links():
+    a = np.array([[1.0, 0.0], [0.0, 1.0]])
+    assert top_links(a, 1, 3, exclude_self=True) == []
+    assert top_links(a, 0, 3, exclude_self=True) == []  # token 0 has only itself
+    assert format_links([]) == []
+    assert top_links(a, 1, 3) == [Link(1, 1, 1.0)]  # zero-weight sources are not listed
+
+
+def test_bad_arguments_name_value_and_range():
+    with pytest.raises(InspectError, match=r"target token 3 is out of range: there are 3 tokens \(0\.\.2\)"):
+        top_links(STUB, 3, 2)
+    with pytest.raises(InspectError, match=r"target token -1 is out of range"):
+        top_links(STUB, -1, 2)
+    with pytest.raises(InspectError, match=r"k must be an integer >= 1, got 0"):
+        top_links(STUB, 2, 0)
+    with pytest.raises(InspectError, match=r"square"):
+        top_links([[1, 0, 0]], 0, 1)
+    with pytest.raises(InspectError, match=r"negative or non-finite"):
+        top_links([[1, 0], [-0.5, 1.5]], 1, 1)
+    att = [torch.softmax(torch.randn(1, 4, 3, 3), -1) for _ in range(2)]  # 2 layers, 4 heads
+    with pytest.raises(InspectError, match=r"layer 2 is out of range: there are 2 layers \(0\.\.1\)"):
+        select_attention(att, layer=2)
+    with pytest.raises(InspectError, match=r"head 4 is out of range: there are 4 heads \(0\.\.3\)"):
+        select_attention(att, head=4)
+    with pytest.raises(InspectError, match="eager"):
+        select_attention(())
+    mean, layer = select_attention(att)
+    assert layer == 1 and np.allclose(mean, att[1][0].mean(0).numpy())
+    assert np.allclose(select_attention(att, 0, 3)[0], att[0][0, 3].numpy())
+
+
+def test_plot_heat_map(tmp_path):
+    out = plot_attention(np.tril(np.ones((5, 5))) / np.arange(1, 6)[:, None], list("ab$\nc"), 2, tmp_path / "x" / "h.png",
+                         title="t")
+    assert out.is_file() and out.stat().st_size > 1000
+    with pytest.raises(InspectError, match="labels"):
+        plot_attention(np.eye(3), ["a"], 1, tmp_path / "y.png")
+
+
+# -- end to end ------------------------------------------------------------------------------
+
+BASE = [
+    "model.name=tiny", "trainer.batch_size=2", "rollout.group_size=2", "rollout.max_new_tokens=10",
+    "data.heldout_limit=2", "run.eval_max_new_tokens=6", "run.progress=false", "run.export=false",
+    "reward.workers=1", "trainer.lr=1e-3", "rollout.tool=none", "trainer.total_steps=1",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A 1-step tiny training run (checkpoint step_1, eval_after.json with 2 records)."""
+    from conveyor.config import load_config
+    from conveyor.train import run_training
+
+    run = tmp_path_factory.mktemp("inspect") / "run"
+    run_training(load_config(None, BASE + [f"run.dir={run}"]))
+    assert (run / "checkpoints" / "step_1" / "DONE").is_file() and (run / "eval_after.json").is_file()
+    return run
+
+
+def _groups(output: str) -> dict[int, list[tuple[int, int, float]]]:
+    groups: dict[int, list[tuple[int, int, float]]] = {}
+    for line in output.splitlines():
+        m = LINE.match(line)
+        if m:
+            s, j, i, w = int(m.group(1)), int(m.group(2)), int(m.group(3)), float(m.group(4))
+            groups.setdefault(i, []).append((s, j, w))
+    return groups
+
+
+def test_cli_inspect_end_to_end(tiny_run, tmp_path):
+    png = tmp_path / "attn.png"
+    r = CliRunner().invoke(app, ["inspect", str(tiny_run), "--sample", "1", "--top", "3", "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    assert "policy: checkpoint step_1 (policy version 1) on tiny" in r.output
+    assert "layer 1 of 0..1, mean over heads (4 heads)" in r.output
+    m = re.search(r"response tokens (\d+)\.\.(\d+)", r.output)
+    first, last = int(m.group(1)), int(m.group(2))
+    groups = _groups(r.output)
+    assert sorted(groups) == list(range(first, last + 1))  # every response token is a target
+    for i, links in groups.items():
+        assert [s for s, _, _ in links] == list(range(1, len(links) + 1)) and 1 <= len(links) <= 3
+        ws = [w for _, _, w in links]
+        assert ws == sorted(ws, reverse=True) and sum(ws) <= 100.0 + 0.02
+        assert all(j <= i for _, j, _ in links)
+    assert png.is_file() and png.stat().st_size > 1000
+
+    r = CliRunner().invoke(app, ["inspect", str(tiny_run), "--layer", "0", "--head", "2", "--target", str(last),
+                                 "--top", "2", "--exclude-self"])
+    assert r.exit_code == 0, r.output
+    groups = _groups(r.output)
+    assert list(groups) == [last] and all(j < last for _, j, _ in groups[last])
+
+
+def test_cli_bad_arguments(tiny_run):
+    def fails(*args: str) -> str:
+        r = CliRunner().invoke(app, ["inspect", *args])
+        assert r.exit_code == 2, r.output
+        return " ".join(r.output.split())  # the error line may be wrapped
+
+    assert "--sample 2 is out of range: there are 2 records in eval_after.json (0..1)" in fails(str(tiny_run), "--sample", "2")
+    assert "layer 2 is out of range: there are 2 layers (0..1)" in fails(str(tiny_run), "--layer", "2")
+    assert "is not a conveyor run directory (no config.json)" in fails(str(tiny_run.parent / "nope"))
+
+
+def test_policy_sources(tiny_run, tmp_path):
+    from conveyor.checkpoint import export_policy
+
+    ck = load_policy(tiny_run)
+    saved = torch.load(tiny_run / "checkpoints" / "step_1" / "trainer.pt", weights_only=False)["model"]
+    for name, p in ck.model.state_dict().items():
+        assert torch.equal(p, saved[name]), name  # the trained weights, not the initial ones
+    assert ck.trained and ck.model.config._attn_implementation == "eager"
+    res = inspect_run(tiny_run, top=2, head=1, policy=ck)
+    with pytest.raises(InspectError, match=r"head 4 is out of range: there are 4 heads \(0\.\.3\)"):
+        inspect_run(tiny_run, head=4, policy=ck)
+    with pytest.raises(InspectError, match=r"--target 999 is out of range"):
+        inspect_run(tiny_run, target=999, policy=ck)
+
+    # a copy with only config + evaluation, and a damaged newer checkpoint: skipped (not moved),
+    # then the base model, said so
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "eval_after.json"):
+        shutil.copy(tiny_run / name, bare / name)
+    bad = bare / "checkpoints" / "step_2"
+    bad.mkdir(parents=True)
+    (bad / "DONE").write_text("2")
+    (bad / "manifest.json").write_text(json.dumps({"files": {"trainer.pt": {"bytes": 5, "sha256": "0"}}}))
+    notes: list[str] = []
+    base = load_policy(bare, warn=notes.append)
+    assert not base.trained and "untrained" in base.source and bad.is_dir()
+    assert any("step_2 skipped: trainer.pt missing" in n for n in notes)
+    assert any("not the run's policy" in n for n in notes)
+
+    # an export of the checkpoint's policy is preferred and gives the same attention
+    export_policy(ck.model, ck.tokenizer, bare / "export")
+    ex = load_policy(bare)
+    assert "export" in ex.source and ex.trained
+    res2 = inspect_run(bare, top=2, head=1, policy=ex)
+    assert res2.lines == res.lines and np.allclose(res2.matrix, res.matrix, atol=1e-6)
