@@ -168,6 +168,11 @@ class Trajectory:
             token under truncated sampling (top-k / top-p / min-p), replayed by the trainer so
             that every log-prob is renormalised over it. None: no truncation (full vocabulary).
             Never written to the JSONL logs.
+        turn_rewards: Optional per-turn rewards of a multi-turn episode: ``(k, r)`` pairs, the
+            reward ``r`` of the turn whose last action token is response token ``k``
+            (:mod:`conveyor.rollout.agent`). Token-level GAE puts each on its token; outcome
+            estimators (GRPO, ...) use ``reward`` (their sum). None: one outcome reward on the
+            last action token.
     """
 
     sample: Sample
@@ -183,6 +188,7 @@ class Trajectory:
     metadata: dict[str, Any] = field(default_factory=dict)
     action_mask: list[int] | None = None
     sampling_mask: SamplingMask | None = None
+    turn_rewards: list[tuple[int, float]] | None = None
 
     @property
     def oldest_version(self) -> int:

@@ -2,6 +2,12 @@
 
 Modules:
 
+- ``base``: the :class:`~conveyor.envs.base.Environment` protocol (``async reset(sample)`` ->
+  first message, ``async step(action)`` -> :class:`~conveyor.envs.base.StepResult`: observation,
+  per-turn reward, done, info) and :func:`~conveyor.envs.base.turn_ids`, the token-exact
+  encoding of a new turn (the agent workflow is :mod:`conveyor.rollout.agent`).
+- ``guess``: guess-the-number, an interactive multi-turn environment with per-turn feedback
+  and rewards.
 - ``tools``: the :class:`~conveyor.envs.tools.Tool` protocol (name, description, JSON schema of
   the arguments in the OpenAI function-calling shape, ``async call``), the
   :class:`~conveyor.envs.tools.ToolResult` every call returns, a

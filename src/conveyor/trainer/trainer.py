@@ -482,7 +482,8 @@ class Trainer:
         """Token-level GAE on every micro-batch (MISSION.md section 3; :mod:`conveyor.trainer.gae`).
 
         Each trajectory's response is laid out as one row ``[S, R_max]`` (``response_index``):
-        the outcome reward on its last action token, the pre-update values, its action mask
+        the outcome reward on its last action token (a multi-turn episode: each turn's reward on
+        its last action token, ``Trajectory.turn_rewards``), the pre-update values, its action mask
         (observation tokens 0). Advantages use the policy lambda (fixed, or length-adaptive
         ``1 - 1 / (alpha * l)``, l = action tokens), returns the critic lambda (VAPO's decoupled
         GAE); with ``critic.values=turn`` one value per action segment instead. Optional
@@ -508,6 +509,15 @@ class Trainer:
             last = (action * torch.arange(1, T + 1)).argmax(-1)  # last action token of each row
             r = torch.tensor([float(batch.trajectories[i].reward) for i in mb.indices])
             rewards[has.nonzero().squeeze(-1), last[has]] = r[has]
+            for s_, i in enumerate(mb.indices):  # multi-turn episodes: each turn's reward on its token
+                turns = batch.trajectories[i].turn_rewards
+                if turns:
+                    rewards[s_] = 0.0
+                    for k, rew in turns:
+                        if not (0 <= int(k) < T and action[s_, int(k)] > 0):
+                            raise ValueError(f"trajectory {batch.trajectories[i].sample.id}: turn reward at response "
+                                             f"token {k}, which is not an action token")
+                        rewards[s_, int(k)] += float(rew)
             policy_lam = (gae_lib.adaptive_lambda(n_act, cc.lam_alpha) if cc.policy_lam == "adaptive"
                           else float(cc.policy_lam))
             if cc.values == "turn":
