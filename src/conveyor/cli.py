@@ -184,6 +184,7 @@ def train_cmd(
     from conveyor.data import DatasetError
     from conveyor.models import ModelLoadError
     from conveyor.runlog import console_log_handler
+    from conveyor.runtime.ray import RolloutActorError  # (imports no Ray)
     from conveyor.runtime_files import RunFileError, describe_os_error, is_disk_full
     from conveyor.shutdown import StopNow
     from conveyor.train import load_run_config, run_training
@@ -220,8 +221,11 @@ def train_cmd(
         raise
     except NonFiniteLossError as e:
         _fail(f"{e}\nThe last state was checkpointed; see events.jsonl in the run directory.", code=1)
+    except RolloutActorError as e:  # runtime.name=ray: the actor's message (its log: train.log)
+        _fail(f"{e}\nSee train.log and events.jsonl in the run directory.", code=1)
     except (ValueError, ImportError, AttributeError, TypeError) as e:
-        if "reward" in str(e) or "--resume" in str(e):  # bad reward.fn path, incompatible resume
+        # bad reward.fn path, incompatible resume, Ray missing for runtime.name=ray
+        if "reward" in str(e) or "--resume" in str(e) or "conveyor[ray]" in str(e):
             _fail(str(e))
         raise
     console.print(f"[bold]run directory:[/] {res.run_dir}  (steps {res.steps}, {res.wall_seconds:.0f} s, "

@@ -308,6 +308,25 @@ class RunConfig(_Strict):
         return "none" if v is None else v
 
 
+class RuntimeConfig(_Strict):
+    """Which runtime runs the step protocol (issue 12): ``inline`` (every component in this
+    process, threads; the default) or ``ray`` (the rollout side in a Ray actor:
+    :mod:`conveyor.runtime.ray`; needs ``pip install 'conveyor[ray]'``)."""
+
+    name: Literal["inline", "ray"] = Field(default="inline", description="inline (threads in one process) | ray")
+    address: str | None = Field(
+        default=None,
+        description="ray: null = start a local Ray cluster for this run (num_cpus CPUs) and stop it at the end; "
+                    "auto / host:port / ray://host:port = join a running cluster (ray start --head)")
+    num_cpus: int | None = Field(default=None, ge=1, description="ray: CPUs of the local cluster (default: this machine's)")
+    rollout_num_cpus: float = Field(default=1.0, ge=0, description="ray: CPUs the rollout actor reserves")
+    call_timeout_s: float = Field(
+        default=300.0, gt=0,
+        description="ray: seconds a call to the rollout actor may take before the run stops with an error "
+                    "(weight updates, scoring, snapshots); never a silent hang")
+    eval_timeout_s: float = Field(default=7200.0, gt=0, description="ray: seconds a held-out evaluation in the actor may take")
+
+
 class TrainConfig(_Strict):
     """Everything a ``conveyor train`` run needs."""
 
@@ -321,6 +340,7 @@ class TrainConfig(_Strict):
     trainer: TrainerConfig = TrainerConfig()
     critic: CriticConfig = CriticConfig()
     run: RunConfig = RunConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True,
                               allow_inf_nan=False)

@@ -1,8 +1,10 @@
 """The main job: asynchronous RL training, assembled (issue 12, section 1).
 
 :func:`run_training` finds where the run starts (new, resumed, finished), loads the data, model
-and trainer, opens the run directory's logs, builds the inline runtime's rollout side
-(:func:`conveyor.runtime.inline.build_rollout`: engine, rewards, controller, publisher), runs the
+and trainer, opens the run directory's logs, builds the rollout side
+(:func:`conveyor.runtime.inline.build_rollout`: engine, rewards, controller, publisher in this
+process; with ``runtime.name=ray`` :func:`conveyor.runtime.ray.build_ray_rollout`: the same in a
+Ray actor, behind proxies of the same ports), runs the
 step protocol (:func:`conveyor.runtime.inline.train_loop` over :func:`conveyor.runtime.step.run_step`)
 and finishes (evaluation, export, summary). Generation and training overlap; the staleness bound
 eta (MISSION.md section 1) limits how far rollouts run ahead; eta = 0 is synchronous training
@@ -46,8 +48,8 @@ from conveyor.rundir import (
 )
 from conveyor.runlog import MetricsLogger, next_segment, plot_report, segment_summary
 from conveyor.runtime.inline import (
-    InlineRollout,
     LoopResult,
+    RolloutSide,
     build_rollout,
     heldout_eval,
     train_loop,
@@ -277,6 +279,10 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
                   ctx: RunContext) -> TrainResult:
     """The body of :func:`run_training`: assembly of the components (everything to release is
     registered on ``ctx``); the step protocol is :mod:`conveyor.runtime`'s."""
+    if cfg.runtime.name == "ray":  # before anything is loaded or written: a clear error
+        from conveyor.runtime.ray import require_ray
+
+        require_ray()
     start = _start_point(cfg, resume_dir, console, ctx)
     if isinstance(start, TrainResult):
         return start  # finished already: left untouched
@@ -288,9 +294,15 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
     run_dir = start.run_dir
     ctx.trainer, ctx.start_version = trainer, trainer.version
     logger = _open_logs(cfg, run_dir, start, job, console, ctx)
-    parts = build_rollout(cfg, trainer, job.tokenizer, job.reward_fn, job.train_samples,
-                          engine_threads=job.engine_threads, logger=logger, ctx=ctx,
-                          n_too_long=job.n_too_long, state=job.state)
+    if cfg.runtime.name == "ray":  # the rollout side in a Ray actor, the same ports (runtime/ray.py)
+        from conveyor.runtime.ray import build_ray_rollout
+
+        parts = build_ray_rollout(cfg, trainer, job.train_samples, engine_threads=job.engine_threads,
+                                  logger=logger, ctx=ctx, n_too_long=job.n_too_long, state=job.state)
+    else:
+        parts = build_rollout(cfg, trainer, job.tokenizer, job.reward_fn, job.train_samples,
+                              engine_threads=job.engine_threads, logger=logger, ctx=ctx,
+                              n_too_long=job.n_too_long, state=job.state)
     progress = cfg.run.progress and console.is_terminal
     before = _eval_before(cfg, start, job, parts, logger, run_dir, console, ctx, progress)
     loop = train_loop(cfg, trainer, parts, logger, run_dir, console, ctx, tokenizer=job.tokenizer,
@@ -299,14 +311,14 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
     return _finish(cfg, job, parts, loop, logger, run_dir, console, ctx, before, progress)
 
 
-def _eval_before(cfg, start: _Start, job: _Job, parts: InlineRollout, logger, run_dir: Path, console,
+def _eval_before(cfg, start: _Start, job: _Job, parts: RolloutSide, logger, run_dir: Path, console,
                  ctx: RunContext, progress: bool) -> float | None:
     """Held-out pass@1 before training: evaluated on a fresh run, read back on a resume."""
     if job.heldout and cfg.run.eval_before and start.ckpt is None:
         ctx.phase = "the held-out evaluation before training"
         console.print(f"held-out evaluation before training ({len(job.heldout)} problems of {cfg.data.heldout}, greedy)")
         res = heldout_eval(parts.engine, job.tokenizer, cfg, job.heldout, "before", logger, run_dir, progress,
-                           parts.reward_service)
+                           parts.reward_service, evaluate_fn=parts.evaluate)
         console.print(f"  pass@1 before: [bold]{res.pass_at_1:.3f}[/]  format rate {res.format_rate:.3f}  ({res.wall_seconds:.0f} s)")
         return res.pass_at_1
     if start.ckpt is not None and (run_dir / "eval_before.json").is_file():
@@ -314,7 +326,7 @@ def _eval_before(cfg, start: _Start, job: _Job, parts: InlineRollout, logger, ru
     return None
 
 
-def _finish(cfg: TrainConfig, job: _Job, parts: InlineRollout, loop: LoopResult, logger: MetricsLogger,
+def _finish(cfg: TrainConfig, job: _Job, parts: RolloutSide, loop: LoopResult, logger: MetricsLogger,
             run_dir: Path, console, ctx: RunContext, before: float | None, progress: bool) -> TrainResult:
     """After the loop: engine statistics, the error (re-raised), the held-out evaluation after
     training, export, ``summary.json`` and the report plot."""
@@ -333,7 +345,7 @@ def _finish(cfg: TrainConfig, job: _Job, parts: InlineRollout, loop: LoopResult,
     if job.heldout and cfg.run.eval_after and not loop.interrupted:
         console.print(f"held-out evaluation after training (version {engine.version}, greedy)")
         res = heldout_eval(engine, job.tokenizer, cfg, job.heldout, "after", logger, run_dir, progress,
-                           parts.reward_service)
+                           parts.reward_service, evaluate_fn=parts.evaluate)
         after = res.pass_at_1
         console.print(f"  pass@1 after: [bold]{after:.3f}[/]  format rate {res.format_rate:.3f}")
     engine.stop()

@@ -7,7 +7,8 @@ Components share no mutable objects: the engine has its own copy of the weights 
 :class:`~conveyor.sync.WeightUpdate` messages through the publisher.
 
 - :func:`build_rollout`: the engine, rewards, workflow, staleness rule, buffer, controller and
-  publisher for a trainer (:class:`InlineRollout`).
+  publisher for a trainer (a :class:`RolloutSide`; the Ray runtime builds the same bundle over
+  actor handles: :func:`conveyor.runtime.ray.build_ray_rollout`).
 - :func:`train_loop`: the critic warm-up, then :func:`~conveyor.runtime.step.run_step` until
   ``trainer.total_steps``, recording each step, evaluating every ``run.eval_every`` versions
   and checkpointing every ``run.checkpoint_every``; the final checkpoint however it ends.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,18 +42,25 @@ from conveyor.runtime.step import LocalRollout, run_step
 from conveyor.runtime_files import atomic_write
 from conveyor.trainer.trainer import NonFiniteLossError, Trainer
 
-__all__ = ["InlineRollout", "LoopResult", "build_rollout", "critic_warmup", "heldout_eval", "train_loop"]
+__all__ = ["InlineRollout", "LoopResult", "RolloutSide", "build_rollout", "critic_warmup", "heldout_eval",
+           "train_loop"]
 
 
 def heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logger: MetricsLogger,
-                 run_dir: Path, progress: bool, reward_service: RewardService | None = None):
+                 run_dir: Path, progress: bool, reward_service: RewardService | None = None, *,
+                 evaluate_fn: Callable = evaluate):
     """Greedy pass@1 of the engine's current weights on ``samples``; written atomically to
     ``RUN/eval_<label>.json`` and logged as an ``eval`` event at the latest log step.
+
+    Args:
+        evaluate_fn: Runs the evaluation, with :func:`conveyor.eval.evaluate`'s signature (the
+            default; :attr:`RolloutSide.evaluate` of the runtime, e.g. the Ray runtime's runs it
+            inside the rollout actor).
 
     Returns:
         The :class:`~conveyor.eval.EvalResult`.
     """
-    res = evaluate(
+    res = evaluate_fn(
         engine, tokenizer, samples, k=1, temperature=0.0, max_new_tokens=cfg.run.eval_max_new_tokens,
         instruction=cfg.data.instruction, dataset=cfg.data.heldout, model_name=cfg.model.name, progress=progress,
         tool=cfg.rollout.tool, max_tool_calls=cfg.rollout.max_tool_calls,
@@ -64,30 +73,42 @@ def heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logge
 
 
 @dataclass
-class InlineRollout:
-    """The rollout side of an inline run and the publisher that feeds it weights.
+class RolloutSide:
+    """The rollout side of a run as the training loop sees it, and the publisher that feeds it
+    weights; the same bundle for every runtime (:func:`build_rollout`: in-process objects;
+    :func:`conveyor.runtime.ray.build_ray_rollout`: proxies of a Ray actor).
 
     Attributes:
-        engine: The local engine (its own deep copy of the policy, no gradients).
-        reward_service: Reward worker processes.
-        buffer / controller: The trajectory buffer and the rollout controller.
-        rollout: The :class:`~conveyor.runtime.step.RolloutPort` over both.
+        engine: The :class:`~conveyor.rollout.engine.Engine` (inline: the local engine, its own
+            deep copy of the policy, no gradients).
+        reward_service: Reward worker processes (``close()``).
+        buffer: The trajectory buffer (None when it lives in another process).
+        controller: The rollout controller, or what the loop uses of it (``start``, ``stop``,
+            ``error``, ``stats``, ``counters``, ``take_not_trained``, ``set_warmup_batches``,
+            ``snapshot`` for checkpoints).
+        rollout: The :class:`~conveyor.runtime.step.RolloutPort`.
         publisher: The proximal strategy's publisher (:func:`~conveyor.runtime.publish.publisher_for`).
         batch_size: Trajectories per update (``trainer.batch_size x rollout.group_size``).
+        evaluate: Runs a held-out evaluation (:func:`conveyor.eval.evaluate`'s signature), for
+            :func:`heldout_eval`.
     """
 
     engine: InferenceEngine
     reward_service: RewardService
-    buffer: TrajectoryBuffer
+    buffer: TrajectoryBuffer | None
     controller: RolloutController
     rollout: LocalRollout
     publisher: Publisher
     batch_size: int
+    evaluate: Callable = evaluate
+
+
+InlineRollout = RolloutSide  # the name before the Ray runtime (kept for callers)
 
 
 def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, train_samples, *,
                   engine_threads: int, logger: MetricsLogger, ctx: RunContext, n_too_long: int = 0,
-                  state: dict | None = None) -> InlineRollout:
+                  state: dict | None = None) -> RolloutSide:
     """Start the engine and the reward workers and build the controller (not started) for
     ``trainer`` (at its current version: a resumed run continues from ``state["controller"]``,
     the checkpoint's data cursor, counters and buffered trajectories). Everything started is
@@ -139,10 +160,10 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
     # the publish phase: the weights go to the engine, with what the proximal strategy needs
     rollout = LocalRollout(controller, buffer)
     publisher = publisher_for(trainer.proximal, engine, rollout)
-    return InlineRollout(engine, reward_service, buffer, controller, rollout, publisher, B)
+    return RolloutSide(engine, reward_service, buffer, controller, rollout, publisher, B)
 
 
-def critic_warmup(trainer: Trainer, cfg: TrainConfig, parts: InlineRollout, logger: MetricsLogger, run_dir: Path,
+def critic_warmup(trainer: Trainer, cfg: TrainConfig, parts: RolloutSide, logger: MetricsLogger, run_dir: Path,
                   console, health, stop, clock: RunClock) -> float:
     """The critic warm-up (``critic.warmup_steps``; SAO's cold start, MISSION.md section 3):
     critic-only steps on batches of the frozen initial policy's rollouts, before any policy
@@ -216,7 +237,7 @@ def _health(controller):
     return health
 
 
-def train_loop(cfg: TrainConfig, trainer: Trainer, parts: InlineRollout, logger: MetricsLogger, run_dir: Path,
+def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: MetricsLogger, run_dir: Path,
                console, ctx: RunContext, *, tokenizer, heldout, progress: bool) -> LoopResult:
     """Train until ``trainer.total_steps`` (module docstring). The first Ctrl-C stops it after
     the current step; any error is caught, the final checkpoint written
@@ -278,7 +299,7 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: InlineRollout, logger:
                 if heldout and cfg.run.eval_every and trainer.version % cfg.run.eval_every == 0 and trainer.version < total:
                     # a held-out curve point (before the checkpoint: a kill here redoes the step and this)
                     res = heldout_eval(engine, tokenizer, cfg, heldout, f"step_{trainer.version}", logger, run_dir,
-                                       False, parts.reward_service)
+                                       False, parts.reward_service, evaluate_fn=parts.evaluate)
                     logger.scalars(trainer.version, {"heldout/pass_at_1": res.pass_at_1,
                                                      "heldout/format_rate": res.format_rate})
                     console.print(f"  held-out pass@1 at version {trainer.version}: {res.pass_at_1:.3f} "

@@ -1,0 +1,831 @@
+"""The Ray runtime (issue 12, section 3): the same step protocol, with the rollout side in a Ray
+actor (``runtime.name=ray``; ``pip install 'conveyor[ray]'``).
+
+Layout (a first, small one; docs/notes/scale_out_survey.md section 5.6 is the full proposal):
+
+- the **driver** (the ``conveyor train`` process) keeps what the inline runtime's main thread
+  has: the trainer, the step protocol (:func:`~conveyor.runtime.step.run_step` in
+  :func:`~conveyor.runtime.inline.train_loop`, unchanged), the publisher, the logs, checkpoints,
+  the export and the summary;
+- one :class:`RolloutActor` (a threaded Ray actor in its own worker process) owns what
+  :func:`~conveyor.runtime.inline.build_rollout` builds in process: the local
+  :class:`~conveyor.rollout.engine.InferenceEngine` (its own copy of the policy: the model is
+  loaded from ``model.name`` / ``model.seed`` and the trainer's current weights are applied),
+  the :class:`~conveyor.rewards.RewardService` (its worker processes are the actor's children),
+  the workflow, the staleness rule, the buffer and the
+  :class:`~conveyor.rollout.controller.RolloutController` with its old-log-prob book. The
+  held-out evaluations run inside the actor too (its engine and reward workers; no token crosses
+  the boundary).
+
+The driver sees the actor through proxies that bind the ports the step protocol already uses:
+:class:`RayRollout` (the :class:`~conveyor.runtime.step.RolloutPort`, plus what the loop uses of
+the controller: start / stop, ``error``, ``stats``, ``snapshot`` for checkpoints) and
+:class:`RayEngine` (the :class:`~conveyor.rollout.engine.Engine` control plane, the
+``score_old_logprobs`` capability executed in the actor, and an async ``generate``). Only
+picklable messages cross: :class:`~conveyor.types.Trajectory`,
+:class:`~conveyor.sync.WeightUpdate` (``ray.put`` once per version, the actor applies it between
+two decode steps), :class:`~conveyor.rollout.old_logprobs.OldLogprobPatch`,
+:class:`~conveyor.rollout.old_logprobs.ScoringItem`, ``PartialRequest``, ``ScoringSpec``,
+counters and checkpoint snapshots; nothing is shared by reference. The checkpoint format is the
+inline runtime's (``controller.snapshot()`` is the actor's), so a run can be resumed under
+either runtime.
+
+Faults: every remote call has a timeout (``runtime.call_timeout_s``; evaluations
+``runtime.eval_timeout_s``); an exception in the actor is raised in the driver as a
+:class:`RolloutActorError` with the actor's message (the controller's own error keeps its type,
+e.g. :class:`~conveyor.data.DatasetError`), a dead actor likewise; the loop then writes its final
+checkpoint (which needs the actor's snapshot: after an actor *death* it fails, logged, and the
+last periodic checkpoint stays the newest). Log records of the actor (``conveyor.*`` loggers:
+failed rewards, episode tracebacks) are forwarded to the driver's ``train.log``. Not done yet:
+restarting a dead engine / actor and resubmitting its requests, several engine actors, a
+trainer actor.
+
+Ray is imported lazily: ``import conveyor`` works without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import pickle
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RayEngine", "RayRewardService", "RayRollout", "RolloutActor", "RolloutActorError",
+           "build_ray_rollout", "connect_ray", "require_ray", "start_rollout_actor"]
+
+INSTALL_HINT = "pip install 'conveyor[ray]'"
+"""How to install Ray for conveyor (the ``ray`` extra)."""
+
+ACTOR_FAULTS_ENV = "CONVEYOR_ACTOR_FAULTS"
+"""Environment variable of the driver whose value becomes the rollout actor's ``CONVEYOR_FAULTS``
+(chaos experiments in the actor only; :mod:`conveyor.faults`)."""
+
+# environment variables the actor's process gets from the driver (a cluster joined by address
+# does not inherit the driver's environment)
+_FORWARDED_ENV = ("CONVEYOR_CACHE", "OMP_WAIT_POLICY", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+class RolloutActorError(RuntimeError):
+    """The rollout actor raised, died, or did not answer within its timeout; the message says
+    which call, and carries the actor's own message."""
+
+
+def require_ray():
+    """Import Ray.
+
+    Returns:
+        The ``ray`` module.
+
+    Raises:
+        ImportError: Ray is not installed (the message names ``pip install 'conveyor[ray]'``).
+    """
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError(f"runtime.name=ray needs Ray, which is not installed: {INSTALL_HINT} "
+                          f"(or runtime.name=inline)") from e
+    return ray
+
+
+def connect_ray(runtime_cfg) -> Callable[[], None] | None:
+    """Connect this process to a Ray cluster for a run.
+
+    Args:
+        runtime_cfg: The :class:`~conveyor.config.RuntimeConfig`: ``address`` None starts a local
+            cluster of ``num_cpus`` CPUs (default: this machine's); ``"auto"``, ``host:port`` or
+            ``ray://host:port`` joins a running one. When Ray is already initialised in this
+            process (a notebook, a test), that cluster is used as it is.
+
+    Returns:
+        ``ray.shutdown`` when this call connected (the caller disconnects at the end, which also
+        stops a local cluster it started), None when Ray was already initialised.
+
+    Raises:
+        ImportError: Ray is missing (:func:`require_ray`).
+        RuntimeError: the cluster cannot be started or joined (Ray's message, with the address).
+    """
+    ray = require_ray()
+    if ray.is_initialized():
+        if runtime_cfg.address is not None:
+            log.warning("Ray is already initialised in this process: using that cluster, not runtime.address=%s",
+                        runtime_cfg.address)
+        return None
+    kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": True}
+    try:
+        if runtime_cfg.address is None:
+            # "local": always a new cluster, never one Ray finds running on this machine
+            ray.init(address="local", num_cpus=runtime_cfg.num_cpus or os.cpu_count() or 1, include_dashboard=False,
+                     **kwargs)
+        else:
+            ray.init(address=runtime_cfg.address, **kwargs)
+    except Exception as e:
+        where = "start a local Ray cluster" if runtime_cfg.address is None else f"join the Ray cluster at runtime.address={runtime_cfg.address}"
+        raise RuntimeError(f"could not {where}: {type(e).__name__}: {e}") from e
+    return ray.shutdown
+
+
+# ---------------------------------------------------------------------- the actor
+class _LogCollector(logging.Handler):
+    """Keeps the actor's ``conveyor.*`` log records (formatted, picklable) until the driver
+    takes them (:meth:`RolloutActor.drain`); at most ``cap``, the oldest dropped first."""
+
+    def __init__(self, cap: int = 5000):
+        super().__init__(logging.INFO)
+        self.records: deque[dict] = deque(maxlen=cap)
+        self._fmt = logging.Formatter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage()
+        except Exception:
+            msg = str(record.msg)
+        exc = record.exc_text
+        if record.exc_info and not exc:
+            exc = self._fmt.formatException(record.exc_info)
+        self.records.append({
+            "name": record.name, "levelno": record.levelno, "levelname": record.levelname, "msg": msg,
+            "exc_text": exc, "created": record.created, "console": getattr(record, "console", True),
+            "threadName": record.threadName,
+        })
+
+    def take(self) -> list[dict]:
+        out = []
+        while self.records:
+            out.append(self.records.popleft())
+        return out
+
+
+def _picklable_error(e: BaseException | None) -> BaseException | None:
+    """``e`` itself when it pickles (its type survives the trip), else a RuntimeError with its repr."""
+    if e is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(repr(e))
+
+
+class RolloutActor:
+    """The rollout side of a run in a Ray actor (module docstring): engine, rewards, workflow,
+    staleness rule, buffer and controller, built by :meth:`setup` from picklable arguments.
+
+    Created by :func:`start_rollout_actor` as a threaded actor (several calls run at once: the
+    driver's :meth:`next_batch` waits in one thread while weight updates, counters and snapshots
+    come in on others). Used in-process it is an ordinary object (tests).
+
+    Args:
+        collect_logs: Collect this process's ``conveyor.*`` log records for :meth:`drain` (and
+            stop printing them here): true in the actor's own process; false in-process.
+    """
+
+    def __init__(self, collect_logs: bool = False):
+        self._logs = _LogCollector()
+        if collect_logs:
+            lg = logging.getLogger("conveyor")
+            lg.addHandler(self._logs)
+            lg.setLevel(logging.INFO)
+            lg.propagate = False  # forwarded to the driver's train.log, not printed twice
+        self._skips: list[dict] = []
+        self._skips_lock = threading.Lock()
+        self.engine = self.controller = self.buffer = self.reward_service = self.tokenizer = None
+
+    # ------------------------------------------------------------------ build
+    def setup(self, cfg, train_samples: list, weights, *, engine_threads: int, track_partials: bool,
+              warmup_batches: int = 0, n_too_long: int = 0, controller_state: dict | None = None) -> dict:
+        """Build the rollout side for a trainer at ``weights.version`` (what
+        :func:`~conveyor.runtime.inline.build_rollout` builds in process), the engine started,
+        the controller not.
+
+        Args:
+            cfg: The run's :class:`~conveyor.config.TrainConfig`.
+            train_samples: The training samples (already preflighted by the driver).
+            weights: The trainer's current :class:`~conveyor.sync.WeightUpdate` (applied to the
+                model loaded from ``model.name`` / ``model.seed``, so the engine starts from
+                exactly the trainer's parameters, also on a resume).
+            engine_threads: Intra-op threads of the engine's decode thread.
+            track_partials: Keep request tokens for old-log-prob scoring (partial_sync / dedicated).
+            warmup_batches: Critic warm-up batches consumed so far.
+            n_too_long: Prompts the driver's preflight dropped (the controller's counter).
+            controller_state: A checkpoint's ``state["controller"]`` to continue from, or None.
+
+        Returns:
+            ``{"pid", "node", "version", "model_seconds"}``.
+
+        Raises:
+            Whatever loading fails with (a reward function that does not import on this node, a
+            model that is not there), raised in the driver as :class:`RolloutActorError`.
+        """
+        from conveyor.models import load_model
+        from conveyor.rewards import ANSWER_METRICS, RewardService, load_reward_fn
+        from conveyor.rollout.buffer import TrajectoryBuffer
+        from conveyor.rollout.controller import DataStream, RolloutController
+        from conveyor.rollout.engine import InferenceEngine, SamplingParams
+        from conveyor.rollout.staleness import StalenessManager
+        from conveyor.rollout.workflow import EnvLatencyWorkflow, SingleTurnMathWorkflow
+
+        t0 = time.perf_counter()
+        version = weights.version
+        reward_fn = load_reward_fn(cfg.reward.fn)
+        lm = load_model(cfg.model.name, seed=cfg.model.seed)
+        model = lm.model
+        model.load_state_dict(weights.state_dict())
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = lm.tokenizer
+        model_s = time.perf_counter() - t0
+        self.engine = InferenceEngine(model, lm.tokenizer, version=version, max_batch_size=cfg.rollout.max_batch_size,
+                                      seed=cfg.run.seed + version, num_threads=engine_threads,
+                                      track_partials=track_partials, reencode_on_update=cfg.rollout.reencode_on_update)
+        self.engine.start()
+        self.reward_service = RewardService(reward_fn, timeout_s=cfg.reward.timeout_s,
+                                            failure_score=cfg.reward.failure_score, max_workers=cfg.reward.workers,
+                                            metrics=ANSWER_METRICS, max_abs_score=cfg.reward.max_abs)
+        G = cfg.rollout.group_size
+        params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                                top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, min_p=cfg.rollout.min_p)
+        workflow = SingleTurnMathWorkflow(lm.tokenizer, self.reward_service, params, group_size=G,
+                                          instruction=cfg.data.instruction, tool=cfg.rollout.tool,
+                                          max_tool_calls=cfg.rollout.max_tool_calls)
+        lat = cfg.rollout.env_latency
+        if lat.median_s > 0:
+            workflow = EnvLatencyWorkflow(workflow, median_s=lat.median_s, sigma=lat.sigma, max_s=lat.max_s,
+                                          seed=lat.seed + version)
+        eta = cfg.asynchronous.eta
+        B = cfg.trainer.batch_size * G
+        staleness = StalenessManager(batch_size=B, eta=eta, max_concurrent=max(cfg.rollout.max_concurrent, G))
+        self.buffer = TrajectoryBuffer(eta, on_drop=staleness.on_drop)
+        self.controller = RolloutController(
+            self.engine, workflow, DataStream(train_samples, seed=cfg.data.shuffle_seed), staleness, self.buffer,
+            group_size=G, filter_all_equal=cfg.rollout.filter_all_equal,
+            max_filtered_in_a_row=cfg.rollout.max_filtered_in_a_row, version=version, on_skip=self._on_skip)
+        self.controller.stats.prompts_too_long = n_too_long
+        self.controller.set_warmup_batches(warmup_batches)
+        if controller_state is not None:
+            self.controller.restore(controller_state, version)
+        return {"pid": os.getpid(), "node": _node_ip(), "version": version, "model_seconds": model_s}
+
+    def _on_skip(self, sample, why: str) -> None:
+        with self._skips_lock:
+            self._skips.append({"sample": sample.id, "reason": why})
+
+    def ready(self) -> int:
+        """The actor's process id (a liveness check)."""
+        return os.getpid()
+
+    def drain(self) -> tuple[list[dict], list[dict]]:
+        """The log records and skipped-prompt events since the previous call (both emptied)."""
+        with self._skips_lock:
+            skips, self._skips = self._skips, []
+        return self._logs.take(), skips
+
+    # ------------------------------------------------------------------ the rollout port
+    def next_batch(self, n: int, version: int, wait_s: float):
+        """Wait up to ``wait_s`` seconds for ``n`` trajectories admissible at trainer ``version``
+        (the same rule as :func:`~conveyor.rollout.controller.wait_for_batch`); the batch leaves
+        with its old-log-prob patches attached, or None when none is ready in time."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            batch = self.buffer.get_batch(n, version)
+            if batch is not None:
+                return self.controller.hand_out(batch)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self.buffer.wait_for(n, timeout=min(left, 0.2))
+            if self.buffer.size() >= n:  # enough but not admissible (e.g. group sizes): do not spin
+                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    def set_version(self, version: int) -> None:
+        """:meth:`RolloutController.set_version`."""
+        self.controller.set_version(version)
+
+    def buffered(self) -> list:
+        """The buffered trajectories (copies on arrival in the driver)."""
+        return [t for g in self.buffer.snapshot() for t in g]
+
+    def apply_old_logprobs(self, patches: list) -> int:
+        """:meth:`RolloutController.apply_old_logprobs`."""
+        return self.controller.apply_old_logprobs(patches)
+
+    def counters(self) -> dict[str, float]:
+        """:meth:`RolloutController.counters`."""
+        return self.controller.counters()
+
+    def take_not_trained(self) -> list[dict]:
+        """:meth:`RolloutController.take_not_trained`."""
+        return self.controller.take_not_trained()
+
+    # ------------------------------------------------------------------ the controller
+    def controller_start(self) -> None:
+        """Start admitting episodes."""
+        self.controller.start()
+
+    def controller_stop(self, timeout: float = 30.0) -> None:
+        """:meth:`RolloutController.stop`."""
+        if self.controller is not None:
+            self.controller.stop(timeout)
+
+    def controller_error(self) -> BaseException | None:
+        """The controller's error (its own type when it pickles), or None."""
+        return _picklable_error(self.controller.error)
+
+    def controller_stats(self):
+        """The controller's :class:`~conveyor.rollout.controller.ControllerStats` (a copy)."""
+        import copy
+
+        return copy.copy(self.controller.stats)
+
+    def snapshot(self) -> dict:
+        """:meth:`RolloutController.snapshot` (the checkpoint's ``state["controller"]``)."""
+        return self.controller.snapshot()
+
+    def restore(self, state: dict, version: int) -> None:
+        """:meth:`RolloutController.restore`."""
+        self.controller.restore(state, version)
+
+    def set_warmup_batches(self, n: int) -> None:
+        """:meth:`RolloutController.set_warmup_batches`."""
+        self.controller.set_warmup_batches(n)
+
+    # ------------------------------------------------------------------ the engine
+    def engine_version(self) -> int:
+        """The engine's policy version."""
+        return self.engine.version
+
+    def engine_call(self, name: str, *args, **kwargs):
+        """``engine.<name>(*args, **kwargs)`` for the control plane (start, stop, pause, resume,
+        stats, partial_requests, score_old_logprobs)."""
+        if name not in ("start", "stop", "pause", "resume", "stats", "partial_requests", "score_old_logprobs"):
+            raise ValueError(f"engine_call: {name!r} is not a control-plane method")
+        return getattr(self.engine, name)(*args, **kwargs)
+
+    def update_weights(self, update) -> int:
+        """Apply a :class:`~conveyor.sync.WeightUpdate` (passed by object reference: Ray hands
+        the value over), waiting until the engine has it; returns its version."""
+        self.engine.update_weights(update)
+        return update.version
+
+    def generate(self, prompt_ids: list[int], params, timeout_s: float | None = None):
+        """One generation (:meth:`InferenceEngine.submit`, waited for)."""
+        return self.engine.submit(prompt_ids, params).result(timeout_s)
+
+    def evaluate(self, samples: list, kwargs: dict):
+        """:func:`conveyor.eval.evaluate` with this actor's engine, tokenizer and reward service
+        (``kwargs``: its keyword arguments, without ``progress`` / ``reward_service``)."""
+        from conveyor.eval import evaluate
+
+        return evaluate(self.engine, self.tokenizer, samples, progress=False, reward_service=self.reward_service,
+                        **kwargs)
+
+    def close_rewards(self) -> None:
+        """Close the reward service (its worker processes)."""
+        if self.reward_service is not None:
+            self.reward_service.close()
+
+    def close(self) -> None:
+        """Stop the controller and the engine, close the reward service (idempotent)."""
+        for f in (self.controller_stop, lambda: self.engine is not None and self.engine.stop(), self.close_rewards):
+            try:
+                f()
+            except Exception:
+                log.exception("closing the rollout actor")
+
+
+def _node_ip() -> str | None:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return None
+
+
+# ---------------------------------------------------------------------- the driver's side
+class _Handle:
+    """Calls on the actor with a timeout, Ray's errors turned into :class:`RolloutActorError`;
+    the actor's forwarded log records and skip events go to the driver's loggers."""
+
+    def __init__(self, actor, timeout_s: float, logger=None):
+        self.ray = require_ray()
+        self.actor = actor
+        self.timeout_s = timeout_s
+        self.logger = logger  # the run's MetricsLogger (skip events), or None
+        self.dead: str | None = None
+
+    def call(self, method: str, *args, timeout: float | None = None, passthrough: tuple = (), **kwargs):
+        """``actor.<method>(*args, **kwargs)``, waited for at most ``timeout`` seconds
+        (default ``runtime.call_timeout_s``).
+
+        Raises:
+            RolloutActorError: the actor raised (its message), died, or timed out.
+            An exception of a ``passthrough`` type raised in the actor, as itself.
+        """
+        ray = self.ray
+        timeout = self.timeout_s if timeout is None else timeout
+        if self.dead is not None:
+            raise RolloutActorError(f"the rollout actor is gone ({self.dead}); {method}() was not called")
+        try:
+            ref = getattr(self.actor, method).remote(*args, **kwargs)
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise RolloutActorError(f"the rollout actor did not answer {method}() within {timeout:.0f} s "
+                                    "(runtime.call_timeout_s); stopping rather than waiting forever") from None
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, passthrough):
+                raise cause from None
+            log.error("rollout actor: %s() failed:\n%s", method, e, extra={"console": False})
+            what = f"{type(cause).__name__}: {cause}" if cause is not None else str(e).splitlines()[0]
+            raise RolloutActorError(f"rollout actor: {method}() failed: {what}") from cause
+        except ray.exceptions.RayActorError as e:
+            self.dead = f"it died during {method}()"
+            first = str(e).strip().splitlines()
+            raise RolloutActorError(f"the rollout actor died during {method}(): "
+                                    f"{' '.join(first[:3]) if first else type(e).__name__}") from None
+        except ray.exceptions.RayError as e:
+            raise RolloutActorError(f"rollout actor: {method}(): {type(e).__name__}: {e}") from None
+
+    def forward(self, timeout: float | None = None) -> None:
+        """Re-emit the actor's log records in the driver (``train.log``) and log its skipped
+        prompts as ``prompt_too_long`` events (best effort: errors are ignored)."""
+        if self.dead is not None:
+            return
+        try:
+            records, skips = self.call("drain", timeout=timeout)
+        except RolloutActorError:
+            return
+        for r in records:
+            r = dict(r)
+            r["msg"] = "[rollout actor] " + r["msg"]
+            rec = logging.makeLogRecord({**r, "args": None, "exc_info": None})
+            logging.getLogger(r["name"]).handle(rec)
+        if self.logger is not None:
+            for s in skips:
+                self.logger.event("prompt_too_long", sample=s["sample"], reason=s["reason"])
+
+
+class RayRollout:
+    """The :class:`~conveyor.runtime.step.RolloutPort` over a :class:`RolloutActor`, plus what
+    the training loop and checkpoints use of the controller (``start``, ``stop``, ``error``,
+    ``stats``, ``snapshot``, ``restore``, ``set_warmup_batches``, ``counters``,
+    ``take_not_trained``): :attr:`~conveyor.runtime.inline.RolloutSide.rollout` and
+    ``.controller`` of a Ray run.
+
+    Args:
+        handle: The actor's :class:`_Handle`.
+        poll_s: Seconds one :meth:`next_batch` call waits in the actor before the driver checks
+            ``stop`` and ``health`` again.
+    """
+
+    def __init__(self, handle: _Handle, poll_s: float = 0.5):
+        self._h = handle
+        self.poll_s = poll_s
+        self._last_stats = None
+
+    # the port
+    def next_batch(self, n: int, version: int, *, health=None, stop=None):
+        """Block until ``n`` trajectories admissible at trainer ``version`` are ready (waiting
+        in the actor ``poll_s`` at a time); None when ``stop`` is set first. ``health`` is
+        called between waits.
+
+        Raises:
+            RolloutActorError: the actor failed; whatever ``health`` raises.
+        """
+        while True:
+            wait = 0.0 if stop is not None and stop.is_set() else self.poll_s
+            batch = self._h.call("next_batch", n, version, wait, timeout=wait + self._h.timeout_s)
+            if batch is not None:
+                return batch
+            if stop is not None and stop.is_set():
+                return None
+            if health is not None:
+                health()
+
+    def set_version(self, version: int) -> None:
+        """The engine now samples ``version``."""
+        self._h.call("set_version", version)
+
+    def buffered(self) -> list:
+        """Copies of the buffered trajectories."""
+        return self._h.call("buffered")
+
+    def apply_old_logprobs(self, patches: list) -> None:
+        """Deliver old-log-prob patches to the actor's book."""
+        self._h.call("apply_old_logprobs", list(patches))
+
+    def counters(self) -> dict[str, float]:
+        """The controller's counters (and the actor's log records forwarded)."""
+        self._h.forward()
+        return self._h.call("counters")
+
+    def take_not_trained(self) -> list[dict]:
+        """Trajectories dropped since the previous call."""
+        return self._h.call("take_not_trained")
+
+    # the controller
+    def start(self) -> None:
+        """Start the controller in the actor."""
+        self._h.call("controller_start")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the controller (tolerant: an actor already gone is only logged)."""
+        try:
+            self._h.call("controller_stop", timeout, timeout=timeout + self._h.timeout_s)
+        except RolloutActorError as e:
+            log.warning("stopping the rollout controller: %s", e, extra={"console": False})
+        self._h.forward(timeout=10.0)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The controller's error (its type kept when it pickles), or None.
+
+        Raises:
+            RolloutActorError: the actor itself is gone or does not answer.
+        """
+        err = self._h.call("controller_error")
+        if err is not None:
+            self._h.forward(timeout=10.0)  # the traceback into train.log before the run stops
+        return err
+
+    @property
+    def stats(self):
+        """The controller's :class:`~conveyor.rollout.controller.ControllerStats` (the last one
+        read when the actor is gone)."""
+        try:
+            self._last_stats = self._h.call("controller_stats")
+        except RolloutActorError:
+            if self._last_stats is None:
+                raise
+        return self._last_stats
+
+    def snapshot(self) -> dict:
+        """The controller's checkpointable state (the inline runtime's format).
+
+        Raises:
+            RolloutActorError: the actor is gone (the checkpoint cannot be written).
+        """
+        return self._h.call("snapshot")
+
+    def restore(self, state: dict, version: int) -> None:
+        """Restore a snapshot in the actor (before :meth:`start`)."""
+        self._h.call("restore", state, version)
+
+    def set_warmup_batches(self, n: int) -> None:
+        """Critic warm-up batches consumed so far."""
+        self._h.call("set_warmup_batches", n)
+
+    def hand_out(self, batch: list) -> list:
+        """Batches already leave the actor with their patches attached (:meth:`next_batch`)."""
+        return batch
+
+
+class RayEngine:
+    """The :class:`~conveyor.rollout.engine.Engine` of a :class:`RolloutActor`, from the driver:
+    the control plane as remote calls, weights through the object store, the
+    ``score_old_logprobs`` capability executed in the actor, and ``generate`` (one remote call
+    per generation, awaitable).
+
+    Args:
+        handle: The actor's :class:`_Handle`.
+    """
+
+    def __init__(self, handle: _Handle):
+        self._h = handle
+        self._last_stats: dict | None = None
+
+    @property
+    def version(self) -> int:
+        """The engine's policy version."""
+        return self._h.call("engine_version")
+
+    def start(self) -> None:
+        """Start the engine's decode thread."""
+        self._h.call("engine_call", "start")
+
+    def stop(self) -> None:
+        """Stop the engine (tolerant: an actor already gone is only logged)."""
+        try:
+            self._h.call("engine_call", "stop")
+        except RolloutActorError as e:
+            log.warning("stopping the engine: %s", e, extra={"console": False})
+
+    def pause(self) -> None:
+        """Pause the engine (returns when the current forward pass has finished)."""
+        self._h.call("engine_call", "pause")
+
+    def resume(self) -> None:
+        """Resume the engine."""
+        self._h.call("engine_call", "resume")
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters; the last ones read when the actor is gone (so the loop's
+        bookkeeping after a failure never raises a second error).
+
+        Raises:
+            RolloutActorError: the actor never answered.
+        """
+        try:
+            self._last_stats = self._h.call("engine_call", "stats")
+        except RolloutActorError:
+            if self._last_stats is None:
+                raise
+            log.warning("engine statistics: the rollout actor does not answer; using the last ones read",
+                        extra={"console": False})
+        return dict(self._last_stats)
+
+    def update_weights(self, update, *, wait: bool = True) -> concurrent.futures.Future:
+        """Send a :class:`~conveyor.sync.WeightUpdate`: ``ray.put`` once, the actor applies it
+        between two decode steps.
+
+        Returns:
+            A future resolving to None when the engine has the weights (done when ``wait``).
+
+        Raises:
+            ValueError / KeyError / TypeError: the engine refused the update (as in the actor).
+            RolloutActorError: the actor failed, died or timed out.
+        """
+        ray = self._h.ray
+        ref = ray.put(update)
+        if wait:
+            self._h.call("update_weights", ref, passthrough=(ValueError, KeyError, TypeError))
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            fut.set_result(None)
+            return fut
+        return self._h.actor.update_weights.remote(ref).future()
+
+    def partial_requests(self, *, require_pause: bool = True) -> list:
+        """The engine's requests with tokens (copies), for old-log-prob scoring."""
+        return self._h.call("engine_call", "partial_requests", require_pause=require_pause)
+
+    def score_old_logprobs(self, spec, items, version: int | None = None):
+        """The paused engine scores ``items`` with its own weights, in the actor
+        (:meth:`InferenceEngine.score_old_logprobs`).
+
+        Returns:
+            ``(patches, tokens scored)``.
+        """
+        return self._h.call("engine_call", "score_old_logprobs", spec, list(items), version)
+
+    async def generate(self, prompt_ids: Sequence[int], params=None):
+        """Generate one response in the actor's engine; awaitable from any event loop.
+
+        Raises:
+            ValueError: an invalid prompt (as the engine raises it).
+            RolloutActorError: the actor failed, died, or did not answer within
+                ``runtime.call_timeout_s``.
+        """
+        h = self._h
+        ref = h.actor.generate.remote(list(prompt_ids), params, h.timeout_s)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout=h.timeout_s + 5.0)
+        except TimeoutError:
+            raise RolloutActorError(f"the rollout actor did not answer generate() within {h.timeout_s:.0f} s") from None
+        except h.ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, ValueError):
+                raise cause from None
+            raise RolloutActorError(f"rollout actor: generate() failed: {type(cause).__name__}: {cause}") from cause
+        except h.ray.exceptions.RayError as e:
+            raise RolloutActorError(f"rollout actor: generate(): {type(e).__name__}: {e}") from None
+
+
+class RayRewardService:
+    """The actor's reward service as the driver sees it: only ``close`` (rewards and answer
+    checks run in the actor)."""
+
+    def __init__(self, handle: _Handle):
+        self._h = handle
+
+    def close(self) -> None:
+        """Close the actor's reward workers (tolerant: an actor already gone is only logged)."""
+        try:
+            self._h.call("close_rewards")
+        except RolloutActorError as e:
+            log.warning("closing the reward service: %s", e, extra={"console": False})
+
+
+def _actor_env() -> dict[str, str]:
+    env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+    faults = os.environ.get(ACTOR_FAULTS_ENV)
+    if faults is not None:
+        env["CONVEYOR_FAULTS"] = faults
+    return env
+
+
+def start_rollout_actor(runtime_cfg, *, logger=None):
+    """Create a :class:`RolloutActor` on the connected cluster (not set up yet) and wait until
+    it answers.
+
+    Args:
+        runtime_cfg: The :class:`~conveyor.config.RuntimeConfig` (``rollout_num_cpus``,
+            ``call_timeout_s``).
+        logger: The run's :class:`~conveyor.runlog.MetricsLogger` (skip events), or None.
+
+    Returns:
+        ``(actor handle, _Handle)``.
+
+    Raises:
+        RolloutActorError: the actor did not start (no CPUs free: the message says how many it
+            asked for, and the timeout).
+    """
+    ray = require_ray()
+    env = _actor_env()
+    opts: dict[str, Any] = {"num_cpus": runtime_cfg.rollout_num_cpus, "max_concurrency": 16,
+                            "name": f"conveyor-rollout-{os.getpid()}-{uuid.uuid4().hex[:8]}"}
+    if env:
+        opts["runtime_env"] = {"env_vars": env}
+    actor = ray.remote(RolloutActor).options(**opts).remote(collect_logs=True)
+    handle = _Handle(actor, runtime_cfg.call_timeout_s, logger)
+    try:
+        handle.call("ready")
+    except RolloutActorError as e:
+        ray.kill(actor)
+        raise RolloutActorError(f"{e} (the actor asks for runtime.rollout_num_cpus={runtime_cfg.rollout_num_cpus} "
+                                f"CPUs of the cluster's {ray.cluster_resources().get('CPU', 0):g})") from None
+    return actor, handle
+
+
+def build_ray_rollout(cfg, trainer, train_samples, *, engine_threads: int, logger, ctx, n_too_long: int = 0,
+                      state: dict | None = None):
+    """The Ray runtime's :class:`~conveyor.runtime.inline.RolloutSide`: connect to (or start) a
+    Ray cluster, start a :class:`RolloutActor`, hand it the trainer's current weights through
+    the object store and build the rollout side in it (restored from ``state`` on a resume),
+    and bind the proxies. Everything is registered on ``ctx`` to be released however the run
+    ends (the actor killed, a cluster this call started shut down).
+
+    Args:
+        cfg: The run's :class:`~conveyor.config.TrainConfig` (``runtime.*``).
+        trainer: The :class:`~conveyor.trainer.trainer.Trainer` (its version, weights, proximal
+            strategy).
+        train_samples: The training samples.
+        engine_threads: Intra-op threads of the actor's engine.
+        logger: The run's :class:`~conveyor.runlog.MetricsLogger`.
+        ctx: The :class:`~conveyor.rundir.RunContext`.
+        n_too_long: Prompts dropped by the preflight.
+        state: The checkpoint's ``state.pt`` contents when resuming.
+
+    Returns:
+        A :class:`~conveyor.runtime.inline.RolloutSide` whose engine, controller, rollout port and
+        reward service are proxies of the actor; ``evaluate`` runs in the actor.
+
+    Raises:
+        ImportError: Ray is missing. RuntimeError: the cluster cannot be started / joined.
+        RolloutActorError: the actor cannot start or build (the actor's message, e.g. a reward
+            module that does not import on the worker).
+    """
+    from conveyor.runtime.inline import RolloutSide
+    from conveyor.runtime.publish import publisher_for, tracks_partials
+
+    ray = require_ray()
+    shutdown = connect_ray(cfg.runtime)
+    if shutdown is not None:
+        ctx.stack.callback(shutdown)
+    actor, handle = start_rollout_actor(cfg.runtime, logger=logger)
+
+    def close():
+        try:
+            handle.call("close", timeout=min(60.0, handle.timeout_s))
+        except RolloutActorError as e:
+            log.warning("closing the rollout actor: %s", e, extra={"console": False})
+        handle.forward(timeout=10.0)
+        handle.dead = handle.dead or "closed"
+        ray.kill(actor)
+
+    ctx.stack.callback(close)
+    t0 = time.perf_counter()
+    weights = ray.put(trainer.weight_update())
+    try:
+        info = handle.call("setup", cfg, list(train_samples), weights, engine_threads=engine_threads,
+                           track_partials=tracks_partials(trainer.proximal),
+                           warmup_batches=trainer.critic_warmup_done, n_too_long=n_too_long,
+                           controller_state=None if state is None else state["controller"])
+    except RolloutActorError as e:
+        raise RolloutActorError(
+            f"{e} (the rollout actor builds the engine, rewards and workflow in a Ray worker process: "
+            "reward.fn's module and model.name must be importable in the actor's process, i.e. installed "
+            "or on PYTHONPATH on every node; a local cluster inherits this process's environment)") from e.__cause__
+    finally:
+        handle.forward(timeout=10.0)
+    del weights
+    logger.event("runtime", name="ray", actor_pid=info["pid"], actor_node=info["node"], address=cfg.runtime.address,
+                 setup_seconds=time.perf_counter() - t0, cluster_cpus=ray.cluster_resources().get("CPU", 0))
+    engine = RayEngine(handle)
+    rollout = RayRollout(handle)
+    B = cfg.trainer.batch_size * cfg.rollout.group_size
+
+    def evaluate(engine_, tokenizer, samples, *, progress=False, reward_service=None, **kwargs):
+        return handle.call("evaluate", list(samples), kwargs, timeout=cfg.runtime.eval_timeout_s)
+
+    publisher = publisher_for(trainer.proximal, engine, rollout)
+    return RolloutSide(engine, RayRewardService(handle), None, rollout, rollout, publisher, B, evaluate)
