@@ -1,0 +1,62 @@
+"""Self-steering (issue 13 sections 2-3): the adaptive controller moves eta through the callbacks,
+monitor alerts become events and actions."""
+
+from __future__ import annotations
+
+from conveyor.rollout.adaptive import AsyncRatioController
+from conveyor.runtime.monitor import MonitorSettings, RunMonitor
+from conveyor.runtime.steering import RunSteering
+
+
+def make(monitor=None, controller=None, eta=2):
+    log = {"eta": [], "lr": [], "stop": 0, "events": [], "say": []}
+    s = RunSteering(monitor, controller, eta, set_eta=log["eta"].append, scale_lr=log["lr"].append,
+                    request_stop=lambda: log.__setitem__("stop", log["stop"] + 1),
+                    event=lambda name, **kw: log["events"].append((name, kw)), say=log["say"].append, lr_scale=0.5)
+    return s, log
+
+
+def test_adaptive_controller_moves_eta_with_the_reward_variance():
+    # eta_max 4, base 0.7 -> eta 2; step 0.1: variances 0.2, 0.2 (above 0.15) -> 0.6, 0.5 (eta 2, 2);
+    # then 0.05 x 3 -> 0.6, 0.7, 0.8 -> eta 3 at the third
+    s, log = make(controller=AsyncRatioController(eta_max=4))
+    high = [0.0, 1.0]  # population variance 0.25
+    low = [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]  # 0.09
+    for step, rewards in enumerate([high, high, low, low, low], 1):
+        s.after_step(step, {}, rewards)
+    assert log["eta"] == [3] and s.eta == 3
+    (name, ev), = [e for e in log["events"] if e[0] == "eta_change"]
+    assert ev["old_eta"] == 2 and ev["new_eta"] == 3 and ev["version"] == 5 and "<= threshold" in ev["reason"]
+    # many high-variance batches: down to ratio 0.1 -> eta 0 (synchronous)
+    for step in range(6, 20):
+        s.after_step(step, {}, high)
+    assert s.eta == 0 and log["eta"][-1] == 0
+
+
+def test_monitor_actions_lower_eta_scale_lr_and_stop():
+    settings = MonitorSettings(actions={"staleness_pinned": "lower_eta", "reward_failures": "scale_lr",
+                                        "nonfinite": "stop"}, pinned_steps=2)
+    s, log = make(monitor=RunMonitor(settings), eta=2)
+    s.after_step(1, {"staleness/mean": 2.0}, [])
+    s.after_step(2, {"staleness/mean": 2.0}, [])
+    assert log["eta"] == [1] and s.eta == 1 and s.monitor.eta == 1
+    s.after_step(3, {"rollout/reward_failed_share": 0.9}, [])
+    assert log["lr"] == [0.5] and any(e[0] == "lr_scaled" for e in log["events"])
+    s.after_step(4, {"train/skipped_nonfinite": 1.0}, [])
+    s.after_step(5, {"train/skipped_nonfinite": 1.0}, [])
+    assert log["stop"] == 1
+    alerts = [e for e in log["events"] if e[0] == "alert"]
+    assert [a[1]["rule"] for a in alerts] == ["staleness_pinned", "reward_failures", "nonfinite"]
+    assert all(a[1]["level"] == "action" for a in alerts) and len(log["say"]) >= 3
+
+
+def test_plateau_after_eval_and_state_round_trip():
+    s, log = make(monitor=RunMonitor(), controller=AsyncRatioController(eta_max=4))
+    for i, v in enumerate([0.5, 0.6, 0.62, 0.63, 0.64], 1):
+        s.after_eval(10 * i, v)
+    assert [e[1]["rule"] for e in log["events"] if e[0] == "alert"] == ["plateau"]
+    s.after_step(1, {}, [0.0, 1.0])
+    state = s.state_dict()
+    t, _ = make(monitor=RunMonitor(), controller=AsyncRatioController(eta_max=4))
+    t.load_state_dict(state)
+    assert t.controller.ratio == s.controller.ratio and t.monitor.evals == s.monitor.evals and t.eta == s.eta
