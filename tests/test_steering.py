@@ -60,3 +60,41 @@ def test_plateau_after_eval_and_state_round_trip():
     t, _ = make(monitor=RunMonitor(), controller=AsyncRatioController(eta_max=4))
     t.load_state_dict(state)
     assert t.controller.ratio == s.controller.ratio and t.monitor.evals == s.monitor.evals and t.eta == s.eta
+
+
+def test_adaptive_eta_in_a_run_and_across_a_resume(tmp_path):
+    """A tiny run with async.adaptive: the start eta floor(0.7 x 4) = 2 replaces async.eta = 0,
+    every change is an event with its reason, and the controller's state and eta survive a
+    resume (the tiny model's rewards are all 0: variance 0 <= threshold, the ratio rises 0.1 a
+    step: 0.8 -> eta 3, 0.9 -> 3, then after the resume 1.0 -> 4)."""
+    import json
+
+    import torch
+
+    from conveyor.config import load_config
+    from conveyor.train import load_run_config, run_training
+
+    run = tmp_path / "r"
+    base = ["model.name=tiny", "trainer.batch_size=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
+            "run.progress=false", "run.export=false", "reward.workers=1", "rollout.tool=none", "data.heldout=",
+            "async.eta=0", "async.adaptive=true", "async.eta_max=4", f"run.dir={run}", "run.checkpoint_every=1"]
+    assert run_training(load_config(None, [*base, "trainer.total_steps=2"])).steps == 2
+
+    def eta_changes():
+        events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+        return [(e["old_eta"], e["new_eta"], e["reason"]) for e in events if e["event"] == "eta_change"]
+
+    ch = eta_changes()
+    assert [(o, n) for o, n, _ in ch] == [(0, 2), (2, 3)]
+    assert "adaptive" in ch[0][2] and "<= threshold" in ch[1][2]
+
+    def steering():
+        ckpt = max((run / "checkpoints").iterdir(), key=lambda p: p.name)
+        return torch.load(ckpt / "state.pt", weights_only=False)["controller"]["runtime"]["steering"]
+
+    st = steering()
+    assert st["eta"] == 3 and st["controller"]["n_updates"] == 2
+    assert run_training(load_run_config(run, ["trainer.total_steps=3"]), resume_dir=run).steps == 3
+    ch = eta_changes()
+    assert (0, 3, "resumed") in ch and ch[-1][:2] == (3, 4)  # continued from the checkpoint, not restarted
+    assert steering()["controller"]["n_updates"] == 3

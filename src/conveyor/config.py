@@ -93,6 +93,17 @@ class AsyncConfig(_Strict):
     overlap; AReaL's capacity rule, MISSION.md section 1). None means unbounded."""
 
     eta: int | None = Field(default=2, ge=0)
+    adaptive: bool = Field(default=False, description="AsyPPO's async ratio controller (MISSION.md section 4): eta = "
+                                                      "floor(ratio x eta_max), the ratio one step toward on-policy "
+                                                      "after a batch whose reward variance exceeds "
+                                                      "variance_threshold, one step back otherwise; replaces eta")
+    eta_max: int = Field(default=4, ge=0, description="adaptive: the staleness bound at ratio 1")
+    ratio_base: float = Field(default=0.7, ge=0, le=1, description="adaptive: the starting ratio (the article's 0.7)")
+    ratio_min: float = Field(default=0.1, ge=0, le=1, description="adaptive: the lowest ratio")
+    ratio_max: float = Field(default=1.0, ge=0, le=1, description="adaptive: the highest ratio")
+    ratio_step: float = Field(default=0.1, gt=0, le=1, description="adaptive: the ratio's change per update")
+    variance_threshold: float = Field(default=0.15, ge=0, description="adaptive: batch reward variance above which "
+                                                                      "the ratio moves toward on-policy")
 
 
 class RewardConfig(_Strict):
@@ -308,6 +319,27 @@ class RunConfig(_Strict):
         return "none" if v is None else v
 
 
+MonitorAction = Literal["none", "lower_eta", "scale_lr", "stop"]
+
+
+class MonitorConfig(_Strict):
+    """The run monitor (issue 13 section 3; :mod:`conveyor.runtime.monitor`): rules that raise
+    alerts (console, ``events.jsonl``) and, where ``actions`` says so, change the run."""
+
+    enabled: bool = Field(default=True, description="evaluate the rules (alerts only, unless actions are set)")
+    plateau_evals: int = Field(default=3, ge=1, description="periodic evaluations in a row each improving less "
+                                                            "than plateau_min_rel (run.eval_every feeds it)")
+    plateau_min_rel: float = Field(default=0.05, ge=0, description="relative improvement counted as progress")
+    keep_rate_min: float = Field(default=0.8, ge=0, le=1, description="discrepancy keep-rate below which to alert")
+    nonfinite_steps: int = Field(default=2, ge=1, description="consecutive non-finite steps that alert")
+    pinned_steps: int = Field(default=5, ge=1, description="consecutive steps with mean staleness >= pinned_share x eta")
+    pinned_share: float = Field(default=0.9, gt=0, le=1)
+    reward_failure_share: float = Field(default=0.2, ge=0, le=1, description="a step's failed-reward share that alerts")
+    lr_scale: float = Field(default=0.5, gt=0, le=1, description="the scale_lr action's factor")
+    actions: dict[Literal["plateau", "keep_rate", "nonfinite", "staleness_pinned", "reward_failures"], MonitorAction] = Field(
+        default_factory=dict, description="rule -> none | lower_eta | scale_lr | stop")
+
+
 class RuntimeConfig(_Strict):
     """Which runtime runs the step protocol (issue 12): ``inline`` (every component in this
     process, threads; the default) or ``ray`` (the rollout side in a Ray actor:
@@ -341,12 +373,18 @@ class TrainConfig(_Strict):
     critic: CriticConfig = CriticConfig()
     run: RunConfig = RunConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    monitor: MonitorConfig = MonitorConfig()
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True,
                               allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
+        a = self.asynchronous
+        if a.adaptive:
+            if not a.ratio_min <= a.ratio_base <= a.ratio_max:
+                raise ValueError(f"async.ratio_min ({a.ratio_min}) <= async.ratio_base ({a.ratio_base}) <= "
+                                 f"async.ratio_max ({a.ratio_max}) is required with async.adaptive=true")
         if self.rollout.max_concurrent < self.rollout.group_size:
             raise ValueError(
                 f"rollout.max_concurrent ({self.rollout.max_concurrent}) must be >= rollout.group_size ({self.rollout.group_size})"

@@ -305,8 +305,9 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
                               n_too_long=job.n_too_long, state=job.state)
     progress = cfg.run.progress and console.is_terminal
     before = _eval_before(cfg, start, job, parts, logger, run_dir, console, ctx, progress)
+    steering_state = ((job.state or {}).get("controller", {}).get("runtime", {}) or {}).get("steering")
     loop = train_loop(cfg, trainer, parts, logger, run_dir, console, ctx, tokenizer=job.tokenizer,
-                      heldout=job.heldout, progress=progress)
+                      heldout=job.heldout, progress=progress, steering_state=steering_state)
     ctx.phase = "the evaluation, export and summary after training"
     return _finish(cfg, job, parts, loop, logger, run_dir, console, ctx, before, progress)
 

@@ -165,6 +165,7 @@ class RolloutController:
         self._lock = threading.Lock()  # guards data cursor, in-flight set and buffer puts vs. snapshots
         # old-log-prob patches (partial_sync / dedicated) until their trajectory is handed out
         self.old_logprobs = OldLogprobBook()
+        self._runtime_state: dict = {}  # set_runtime_state: checkpointed with the snapshot
         self._paused = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -194,6 +195,20 @@ class RolloutController:
         self._version = version
         self.old_logprobs.prune(version, self.buffer.eta)
         self._poke()
+
+    def set_eta(self, eta: int | None) -> None:
+        """Change the staleness bound now (an adaptive controller or a monitor action, issue 13):
+        the capacity rule and the buffer follow at once (``StalenessManager.set_eta``,
+        ``TrajectoryBuffer.set_eta``)."""
+        self.staleness.set_eta(eta)
+        self.buffer.set_eta(eta)
+        self._poke()
+
+    def set_runtime_state(self, state: dict) -> None:
+        """State of the runtime's own components (the steering: eta, the ratio controller, the
+        monitor's evaluations) to keep in the next checkpoints (:meth:`snapshot`)."""
+        with self._lock:
+            self._runtime_state = dict(state)
 
     def apply_old_logprobs(self, patches) -> int:
         """Store old-log-prob patches (:class:`~conveyor.rollout.old_logprobs.OldLogprobPatch`)
@@ -267,6 +282,7 @@ class RolloutController:
                 "not_trained": self.buffer.take_dropped(keep=True) + list(self._ledger),
                 "staleness": self.staleness.state_dict(),
                 "stats": st,
+                "runtime": dict(self._runtime_state),
             }
 
     def restore(self, state: dict, version: int) -> None:
@@ -287,6 +303,7 @@ class RolloutController:
             if hasattr(self.stats, k):
                 setattr(self.stats, k, v)
         self._ledger = list(state.get("not_trained", []))  # logged with the next step
+        self._runtime_state = dict(state.get("runtime", {}))
         self._version = version
 
     # ------------------------------------------------------------------ the loop

@@ -29,6 +29,7 @@ from conveyor.data import DatasetError
 from conveyor.eval import evaluate
 from conveyor.faults import fault_point
 from conveyor.rewards import ANSWER_METRICS, RewardService
+from conveyor.rollout.adaptive import AsyncRatioController
 from conveyor.rollout.buffer import TrajectoryBuffer
 from conveyor.rollout.controller import DataStream, RolloutController
 from conveyor.rollout.engine import InferenceEngine, SamplingParams
@@ -36,8 +37,10 @@ from conveyor.rollout.staleness import StalenessManager
 from conveyor.rollout.workflow import EnvLatencyWorkflow, SingleTurnMathWorkflow
 from conveyor.rundir import RunContext, final_checkpoint
 from conveyor.runlog import MetricsLogger
+from conveyor.runtime.monitor import MonitorSettings, RunMonitor
 from conveyor.runtime.publish import Publisher, publisher_for, tracks_partials
 from conveyor.runtime.record import RunClock, StepRecorder, batch_metrics
+from conveyor.runtime.steering import RunSteering
 from conveyor.runtime.step import LocalRollout, run_step
 from conveyor.runtime_files import atomic_write
 from conveyor.trainer.trainer import NonFiniteLossError, Trainer
@@ -237,16 +240,53 @@ def _health(controller):
     return health
 
 
+def build_steering(cfg: TrainConfig, trainer: Trainer, controller, logger: MetricsLogger, console,
+                   stop: threading.Event, state: dict | None = None) -> RunSteering:
+    """The run's :class:`~conveyor.runtime.steering.RunSteering`: the monitor (``monitor.*``)
+    and the adaptive staleness controller (``async.adaptive``), acting on ``controller``
+    (``set_eta``), every updater of ``trainer`` (``scale_lr``) and ``stop``; restored from a
+    checkpoint's ``state``. The eta in force (the adaptive start ``floor(ratio_base x eta_max)``
+    or a resumed run's) is applied to the rollout side before it starts."""
+    a, m = cfg.asynchronous, cfg.monitor
+    monitor = None
+    if m.enabled:
+        monitor = RunMonitor(MonitorSettings(
+            plateau_evals=m.plateau_evals, plateau_min_rel=m.plateau_min_rel, keep_rate_min=m.keep_rate_min,
+            nonfinite_steps=m.nonfinite_steps, pinned_steps=m.pinned_steps, pinned_share=m.pinned_share,
+            reward_failure_share=m.reward_failure_share, lr_scale=m.lr_scale, actions=dict(m.actions)))
+    ratio = (AsyncRatioController(base=a.ratio_base, r_min=a.ratio_min, r_max=a.ratio_max, step=a.ratio_step,
+                                  threshold=a.variance_threshold, eta_max=a.eta_max) if a.adaptive else None)
+
+    def scale_lr(factor: float) -> None:
+        for up in trainer.updaters:
+            up.scale_lr(factor)
+
+    steering = RunSteering(monitor, ratio, ratio.eta() if ratio is not None else a.eta, set_eta=controller.set_eta,
+                           scale_lr=scale_lr, request_stop=stop.set, event=logger.event, say=console.print,
+                           lr_scale=m.lr_scale)
+    if state:
+        steering.load_state_dict(state)
+    if steering.eta != a.eta:
+        controller.set_eta(steering.eta)
+        logger.event("eta_change", version=trainer.version, old_eta=a.eta, new_eta=steering.eta,
+                     reason="resumed" if state else "async.adaptive: floor(ratio_base x eta_max)")
+    return steering
+
+
 def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: MetricsLogger, run_dir: Path,
-               console, ctx: RunContext, *, tokenizer, heldout, progress: bool) -> LoopResult:
+               console, ctx: RunContext, *, tokenizer, heldout, progress: bool,
+               steering_state: dict | None = None) -> LoopResult:
     """Train until ``trainer.total_steps`` (module docstring). The first Ctrl-C stops it after
     the current step; any error is caught, the final checkpoint written
     (:func:`~conveyor.rundir.final_checkpoint`) and the error returned in the result; threads
-    are stopped (the engine stays up for the evaluation after training).
+    are stopped (the engine stays up for the evaluation after training). After every step and
+    every periodic evaluation the run's steering (:func:`build_steering`: monitor alerts and
+    actions, adaptive eta) runs; its state goes into the checkpoints.
 
     Args:
         tokenizer / heldout: For the evaluations every ``run.eval_every`` versions.
         progress: Show the progress bar (otherwise a console line every 5 steps).
+        steering_state: The steering's state from the checkpoint being resumed.
     """
     from rich.progress import (
         BarColumn,
@@ -262,6 +302,7 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
     ctx.phase = "training"
     stop: threading.Event = ctx.interrupts.begin_graceful()  # first Ctrl-C: finish the step, checkpoint, stop
     health = _health(controller)
+    steering = build_steering(cfg, trainer, controller, logger, console, stop, steering_state)
     publisher.start(trainer)
     controller.start()
     clock = RunClock(engine.stats)
@@ -295,6 +336,7 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
                 metrics.update(parts.rollout.counters())
                 recorder.step(trainer.version, metrics, out.batch, parts.rollout.take_not_trained(),
                               trainer.take_events())
+                steering.after_step(trainer.version, metrics, [float(t.reward) for t in out.batch])
                 fault_point("step_end")  # chaos suite: a kill between steps
                 if heldout and cfg.run.eval_every and trainer.version % cfg.run.eval_every == 0 and trainer.version < total:
                     # a held-out curve point (before the checkpoint: a kill here redoes the step and this)
@@ -304,6 +346,8 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
                                                      "heldout/format_rate": res.format_rate})
                     console.print(f"  held-out pass@1 at version {trainer.version}: {res.pass_at_1:.3f} "
                                   f"({res.wall_seconds:.0f} s)")
+                    steering.after_eval(trainer.version, res.pass_at_1)
+                controller.set_runtime_state({"steering": steering.state_dict()})  # for the checkpoints
                 # the checkpoint of the last step is the final one (run.final_checkpoint), below
                 if trainer.version % cfg.run.checkpoint_every == 0 and trainer.version < total:
                     p = save_checkpoint(run_dir, trainer, controller, keep=cfg.run.keep_checkpoints)

@@ -358,6 +358,14 @@ class RolloutActor:
         """:meth:`RolloutController.set_warmup_batches`."""
         self.controller.set_warmup_batches(n)
 
+    def set_eta(self, eta: int | None) -> None:
+        """:meth:`RolloutController.set_eta`."""
+        self.controller.set_eta(eta)
+
+    def set_runtime_state(self, state: dict) -> None:
+        """:meth:`RolloutController.set_runtime_state`."""
+        self.controller.set_runtime_state(state)
+
     # ------------------------------------------------------------------ the engine
     def engine_version(self) -> int:
         """The engine's policy version."""
@@ -584,6 +592,14 @@ class RayRollout:
     def set_warmup_batches(self, n: int) -> None:
         """Critic warm-up batches consumed so far."""
         self._h.call("set_warmup_batches", n)
+
+    def set_eta(self, eta: int | None) -> None:
+        """Change the staleness bound in the actor (capacity rule and buffer)."""
+        self._h.call("set_eta", eta)
+
+    def set_runtime_state(self, state: dict) -> None:
+        """Runtime state to keep in the actor's checkpoint snapshots."""
+        self._h.call("set_runtime_state", dict(state))
 
     def hand_out(self, batch: list) -> list:
         """Batches already leave the actor with their patches attached (:meth:`next_batch`)."""

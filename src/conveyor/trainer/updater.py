@@ -101,6 +101,20 @@ class Updater:
         self.scheduler.step()
         self.steps += 1
 
+    def scale_lr(self, factor: float) -> None:
+        """Multiply the learning rate by ``factor`` from now on (the peak the schedule scales,
+        and the current value); checkpointed with the scheduler's state.
+
+        Raises:
+            ValueError: ``factor`` not > 0.
+        """
+        if not factor > 0:
+            raise ValueError(f"{self.name}: lr factor must be > 0, got {factor}")
+        self.scheduler.base_lrs = [b * factor for b in self.scheduler.base_lrs]
+        for g in self.optimizer.param_groups:
+            g["lr"] *= factor
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
     @property
     def lr(self) -> float:
         """The current learning rate."""
