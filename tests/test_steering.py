@@ -98,3 +98,10 @@ def test_adaptive_eta_in_a_run_and_across_a_resume(tmp_path):
     ch = eta_changes()
     assert (0, 3, "resumed") in ch and ch[-1][:2] == (3, 4)  # continued from the checkpoint, not restarted
     assert steering()["controller"]["n_updates"] == 3
+    # the report draws the eta steps and alert markers (plot_report raises here, unlike at the run's end)
+    from conveyor.runlog import plot_report
+
+    with (run / "events.jsonl").open("a") as f:  # an alert as the runtime writes it
+        f.write(json.dumps({"event": "alert", "version": 2, "rule": "plateau", "level": "warning",
+                            "action": "none", "message": "m"}) + "\n")
+    assert plot_report(run).stat().st_size > 10_000

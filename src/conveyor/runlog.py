@@ -414,7 +414,8 @@ def _legend(ax, **kw) -> None:
 def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str = "") -> Path:
     """Draw reward / accuracy / staleness / throughput curves of a run into ``report.png``
     (written atomically); with a critic also its value loss, explained variance and gradient
-    norms per block kind (warm-up included).
+    norms per block kind (warm-up included); the run monitor's alerts as marked versions and an
+    adaptive eta as a step line.
 
     Returns:
         The PNG path.
@@ -461,8 +462,21 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
             ax.plot(xs, smooth(ys), label=label)
     ax.set_title("reward and accuracy of training batches")
     ax.set_xlabel("policy version")
+    # the run monitor's alerts (issue 13): a dashed line at the version each fired, labelled
+    events = [e for e in read_jsonl(run_dir / "events.jsonl") if not e.get("superseded")]
+    for e in (e for e in events if e.get("event") == "alert"):
+        v = e.get("version", e.get("step"))
+        if v is not None:
+            ax.axvline(v, color="tab:red", lw=0.8, ls="--", alpha=0.6)
+            ax.text(v, 1.0, f" {e.get('rule', 'alert')}", transform=ax.get_xaxis_transform(), rotation=90,
+                    va="top", ha="left", fontsize=7, color="tab:red")
     _legend(ax)
     ax = axes[0][1]
+    etas = [(e.get("version", 0), e["new_eta"]) for e in events if e.get("event") == "eta_change" and "new_eta" in e]
+    if etas:  # async.adaptive / monitor actions: eta over the run, as steps
+        xs_e = [v for v, _ in etas] + ([rows[-1]["step"]] if rows else [])
+        ax.step(xs_e, [n for _, n in etas] + ([etas[-1][1]] if rows else []), where="post", color="gray", ls=":",
+                label="eta")
     for key in ("staleness/mean", "staleness/max"):
         xs, ys = series(key)
         if ys:
