@@ -224,8 +224,10 @@ def train_cmd(
     except RolloutActorError as e:  # runtime.name=ray: the actor's message (its log: train.log)
         _fail(f"{e}\nSee train.log and events.jsonl in the run directory.", code=1)
     except (ValueError, ImportError, AttributeError, TypeError) as e:
-        # bad reward.fn path, incompatible resume, Ray missing for runtime.name=ray
-        if "reward" in str(e) or "--resume" in str(e) or "conveyor[ray]" in str(e):
+        # bad reward.fn path, incompatible resume, Ray missing for runtime.name=ray, wandb
+        # missing for log.wandb=true
+        if ("reward" in str(e) or "--resume" in str(e) or "conveyor[ray]" in str(e)
+                or "conveyor[wandb]" in str(e)):
             _fail(str(e))
         raise
     console.print(f"[bold]run directory:[/] {res.run_dir}  (steps {res.steps}, {res.wall_seconds:.0f} s, "
@@ -260,6 +262,10 @@ def datasets_cmd() -> None:
             console.print(f"  {name}")
     console.print("[bold]your own file[/]: file:/path/data.jsonl?question=FIELD&answer=FIELD "
                   "(JSONL, JSON or parquet)",
+                  soft_wrap=True)
+    console.print("[bold]a Hugging Face dataset on disk[/]: hf:/path/to/saved[:SPLIT]"
+                  "?question=FIELD&answer=FIELD (save_to_disk output or a local dataset "
+                  "repository; read offline, never downloaded)",
                   soft_wrap=True)
 
 

@@ -359,6 +359,22 @@ class RuntimeConfig(_Strict):
     eval_timeout_s: float = Field(default=7200.0, gt=0, description="ray: seconds a held-out evaluation in the actor may take")
 
 
+class LogConfig(_Strict):
+    """Extra experiment trackers next to the run directory's JSONL and TensorBoard logs (issue 15
+    section 3). With ``wandb=true`` the metrics logger (:class:`conveyor.runlog.MetricsLogger`)
+    also sends every metrics row, event (alerts included), critic warm-up row, the resolved config
+    and the final ``report.png`` to Weights & Biases; needs ``pip install 'conveyor[wandb]'``."""
+
+    wandb: bool = Field(default=False, description="also log to Weights & Biases (pip install 'conveyor[wandb]')")
+    wandb_project: str = Field(default="conveyor", min_length=1, description="W&B project")
+    wandb_run_name: str | None = Field(default=None, description="W&B run name (default: the run directory's name)")
+    wandb_mode: Literal["online", "offline", "disabled"] = Field(
+        default="offline",
+        description="offline (the default) writes the W&B run under wandb_dir without network access; upload "
+                    "it later with `wandb sync RUN_DIR/wandb/offline-run-*`; online needs `wandb login`")
+    wandb_dir: str | None = Field(default=None, description="where W&B writes its files (default: the run directory)")
+
+
 class TrainConfig(_Strict):
     """Everything a ``conveyor train`` run needs."""
 
@@ -374,6 +390,7 @@ class TrainConfig(_Strict):
     run: RunConfig = RunConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     monitor: MonitorConfig = MonitorConfig()
+    log: LogConfig = LogConfig()
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True,
                               allow_inf_nan=False)

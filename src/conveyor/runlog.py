@@ -9,6 +9,13 @@ keeps the crash history, with the events after ``V`` marked ``"superseded"``; Te
 reopened with ``purge_step = V + 1`` (TensorBoard then discards the older events at steps
 ``>= V + 1``). Every metrics row carries its process ``segment`` (0 for the first process, +1 per
 resume) so :func:`segment_summary` can report the wall-clock of all segments.
+
+Weights & Biases (``log.wandb=true``, issue 15 section 3) is one more destination of the same
+fan-out: :class:`MetricsLogger` sends every metrics row, critic warm-up row, ``scalars`` value and
+event to the W&B run it opened (config: the resolved run config), and the final ``report.png``
+(:meth:`MetricsLogger.report`). The W&B run id lives in ``RUN/wandb_run_id``, so a resumed run
+continues the same W&B run; a W&B failure is one warning (and a ``wandb_failed`` event), never the
+end of training.
 """
 
 from __future__ import annotations
@@ -17,14 +24,85 @@ import json
 import logging
 import math
 import os
+import secrets
+import string
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from conveyor.runtime_files import atomic_write, atomic_write_text
+
+if TYPE_CHECKING:
+    from conveyor.config import LogConfig
+
+log = logging.getLogger(__name__)
 
 STEP_LOGS = ("metrics.jsonl", "trained.jsonl", "samples.jsonl", "critic_warmup.jsonl")
 CRITIC_WARMUP = "critic_warmup.jsonl"
 EVENTS = "events.jsonl"
+WANDB_RUN_ID = "wandb_run_id"
+"""Run-directory file holding the W&B run id (a resume continues that W&B run)."""
+WANDB_STEP = "wandb_step"
+"""Run-directory file holding the next W&B history index (``_step``), so a resumed process
+continues W&B's own step counter instead of restarting it at 0 (offline runs do)."""
+WANDB_INSTALL_HINT = "pip install 'conveyor[wandb]'"
+
+
+def require_wandb():
+    """Import Weights & Biases (``log.wandb=true``).
+
+    Returns:
+        The ``wandb`` module.
+
+    Raises:
+        ImportError: wandb is not installed; the message names ``pip install 'conveyor[wandb]'``.
+    """
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError(f"log.wandb=true needs Weights & Biases, which is not installed: "
+                          f"{WANDB_INSTALL_HINT} (or log.wandb=false)") from e
+    return wandb
+
+
+def new_wandb_id() -> str:
+    """A fresh W&B run id: 8 random characters from ``[a-z0-9]`` (the form W&B generates)."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))
+
+
+def wandb_run_id(run_dir: str | Path, new_id: Callable[[], str] = new_wandb_id) -> str:
+    """The W&B run id of a run directory: the one in ``RUN/wandb_run_id``, else ``new_id()``,
+    written there (atomically) first, so every later process of the run (``--resume``) logs to the
+    same W&B run.
+
+    Args:
+        run_dir: The run directory.
+        new_id: Makes a fresh id (default :func:`new_wandb_id`).
+
+    Returns:
+        The id.
+
+    Raises:
+        RunFileError: the id file cannot be written.
+    """
+    p = Path(run_dir) / WANDB_RUN_ID
+    if p.is_file():
+        run_id = p.read_text().strip()
+        if run_id:
+            return run_id
+    run_id = new_id()
+    atomic_write_text(p, run_id + "\n", what=str(p))
+    return run_id
+
+
+def _read_int(path: Path) -> int:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return 0
 
 
 class MetricsLogger:
@@ -40,10 +118,25 @@ class MetricsLogger:
             written into every metrics row and event.
         purge_step: On a resume from version ``V``: ``V + 1``, so TensorBoard discards events a
             crashed process logged at steps ``>= V + 1`` (``SummaryWriter(purge_step=...)``).
+        log_cfg: The config's ``log`` section (:class:`~conveyor.config.LogConfig`); with
+            ``wandb=true`` every row, value and event also goes to a Weights & Biases run:
+            project ``wandb_project``, name ``wandb_run_name`` (default: the run directory's
+            name), mode ``wandb_mode`` (offline by default), files under ``wandb_dir`` (default:
+            the run directory), id from :func:`wandb_run_id` with ``resume="allow"``. W&B's x
+            axis is the row's ``step`` (``define_metric("*", step_metric="step")``; W&B's own
+            ``_step`` only counts the entries, continued across resumes via ``RUN/wandb_step``),
+            so critic warm-up rows (steps <= 0) and the steps a resume repeats are kept too.
+        run_config: The resolved config (``TrainConfig.to_dict()``), W&B's run config.
+
+    Raises:
+        ImportError: ``log_cfg.wandb`` is true and wandb is not installed (the message names
+            ``pip install 'conveyor[wandb]'``). Any failure of W&B itself (start included) is a
+            warning: the run continues with JSONL and TensorBoard.
     """
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, samples_per_step: int = 2, *,
-                 version: int = 0, segment: int = 0, purge_step: int | None = None):
+                 version: int = 0, segment: int = 0, purge_step: int | None = None,
+                 log_cfg: LogConfig | None = None, run_config: dict[str, Any] | None = None):
         self.samples_per_step = samples_per_step
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -60,9 +153,67 @@ class MetricsLogger:
                 self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge_step)
             except Exception:  # tensorboard missing: JSONL still works
                 self._tb = None
+        self._wb = None  # the W&B run, while it works
+        self._wb_lock = threading.Lock()  # W&B's log is not thread-safe; events come from threads
+        self._wb_step = 0
+        self._wb_errors = 0  # "error" events seen: the W&B run finishes with exit code 1
+        if log_cfg is not None and log_cfg.wandb:
+            try:
+                self._start_wandb(log_cfg, run_config)
+            except ImportError:  # wandb missing: close what is open, then say so
+                self.close()
+                raise
+
+    def _start_wandb(self, cfg: LogConfig, run_config: dict[str, Any] | None) -> None:
+        wandb = require_wandb()  # a missing package is an error, not a warning
+        self._wandb = wandb
+        try:
+            run_id = wandb_run_id(self.run_dir)
+            wb_dir = Path(cfg.wandb_dir).expanduser() if cfg.wandb_dir else self.run_dir
+            wb_dir.mkdir(parents=True, exist_ok=True)
+            run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or self.run_dir.name,
+                             id=run_id, resume="allow", dir=str(wb_dir), mode=cfg.wandb_mode,
+                             config=run_config, allow_val_change=True,
+                             settings=wandb.Settings(console="off"))  # train.log keeps the console
+            run.define_metric("step")
+            run.define_metric("*", step_metric="step")
+            self._wb_step = max(int(getattr(run, "step", 0) or 0), _read_int(self.run_dir / WANDB_STEP))
+        except Exception as e:
+            self._wandb_failed("start", e)
+            return
+        self._wb = run
+
+    def _wandb_log(self, data: dict[str, Any]) -> None:
+        """One W&B history entry (``data`` holds ``step``, the x axis) at the next ``_step``."""
+        with self._wb_lock:
+            if self._wb is None:
+                return
+            try:
+                self._wb.log(data, step=self._wb_step)
+                self._wb_step += 1
+                p = self.run_dir / WANDB_STEP  # tmp + rename: a kill never leaves half a number
+                tmp = p.with_name(f".{WANDB_STEP}.{os.getpid()}.tmp")
+                tmp.write_text(f"{self._wb_step}\n")
+                os.replace(tmp, p)
+            except Exception as e:
+                self._wandb_failed("logging", e)
+
+    def _wandb_failed(self, what: str, e: BaseException) -> None:
+        """W&B is off for the rest of this process: one warning and one ``wandb_failed`` event."""
+        self._wb = None
+        log.warning("Weights & Biases %s failed (%s: %s); W&B is off for the rest of this process, "
+                    "metrics.jsonl, events.jsonl and TensorBoard continue", what, type(e).__name__, e)
+        row = {"time": time.time(), "event": "wandb_failed", "what": what, "error": repr(e),
+               "version": self.version, "segment": self.segment}
+        try:
+            self._events.write(json.dumps(row, default=str) + "\n")
+            self._events.flush()
+        except (OSError, ValueError):  # closed already
+            pass
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Record ``metrics`` at ``step`` (policy version after the update)."""
+        """Record ``metrics`` at ``step`` (policy version after the update): a row of
+        ``metrics.jsonl``, TensorBoard scalars and (``log.wandb``) a W&B entry."""
         self.version = step
         row = {"step": step, "time": time.time(), "segment": self.segment,
                **{k: _clean(v) for k, v in metrics.items()}}
@@ -72,13 +223,18 @@ class MetricsLogger:
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         """Mirror the finite numbers of ``values`` to TensorBoard at ``step`` (flushed: a killed
-        process keeps its curves; TensorBoard buffers up to 120 s); the JSON record of them is
-        the caller's (metrics.jsonl, a file, an event)."""
+        process keeps its curves; TensorBoard buffers up to 120 s) and every number of them (NaN
+        and infinities included) to W&B as one entry at ``step``; the JSON record of them is the
+        caller's (metrics.jsonl, a file, an event)."""
         if self._tb is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        if self._wb is not None:
+            nums = {k: v for k, v in values.items() if isinstance(v, (int, float)) and k != "step"}
+            if nums:
+                self._wandb_log({**nums, "step": step})
 
     def warmup(self, step: int, warmup_step: int, metrics: dict[str, float]) -> None:
         """Record critic warm-up step ``warmup_step`` (``critic.warmup_steps``; MISSION.md section
@@ -144,14 +300,57 @@ class MetricsLogger:
         row = {"time": time.time(), "event": kind, **fields}
         self._events.write(json.dumps(row, default=str) + "\n")
         self._events.flush()
+        if kind == "error":
+            self._wb_errors += 1
+        if self._wb is not None:  # W&B: an entry "event/<kind>" = the other fields as JSON text
+            version = fields["version"]
+            rest = {k: v for k, v in fields.items() if k not in ("version", "segment")}
+            self._wandb_log({f"event/{kind}": json.dumps(rest, default=str),
+                             "step": version if isinstance(version, (int, float)) else self.version})
+
+    def report(self, image: str | Path | None, summary: dict[str, Any] | None = None) -> None:
+        """Send the run's final ``report.png`` and summary to the trackers that keep them (W&B:
+        the image as ``report`` at the latest step, the summary's values other than lists into
+        the run summary); JSONL and TensorBoard have them in the run directory already.
+
+        Args:
+            image: The report PNG (:func:`plot_report`), or None if it could not be drawn.
+            summary: ``summary.json``'s content, or None.
+        """
+        if self._wb is None:
+            return
+        if image is not None and Path(image).is_file():
+            try:
+                entry = {"report": self._wandb.Image(str(image)), "step": self.version}
+            except Exception as e:
+                with self._wb_lock:
+                    self._wandb_failed("image", e)
+                return
+            self._wandb_log(entry)
+        if summary:
+            with self._wb_lock:
+                if self._wb is not None:
+                    try:
+                        self._wb.summary.update({k: v for k, v in summary.items()
+                                                 if not isinstance(v, list)})
+                    except Exception as e:
+                        self._wandb_failed("summary", e)
 
     def close(self) -> None:
-        """Flush and close the files (idempotent)."""
+        """Flush and close the files and finish the W&B run, with exit code 1 if an ``error``
+        event was logged (idempotent)."""
         self._f.close()
         self._events.close()
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        with self._wb_lock:
+            run, self._wb = self._wb, None
+            if run is not None:
+                try:
+                    run.finish(exit_code=1 if self._wb_errors else 0)
+                except Exception as e:
+                    log.warning("Weights & Biases finish failed (%s: %s)", type(e).__name__, e)
 
 
 def _clean(v):

@@ -46,7 +46,7 @@ from conveyor.rundir import (
     preflight_samples,
     prepare_resume,
 )
-from conveyor.runlog import MetricsLogger, next_segment, plot_report, segment_summary
+from conveyor.runlog import MetricsLogger, next_segment, plot_report, require_wandb, segment_summary
 from conveyor.runtime.inline import (
     LoopResult,
     RolloutSide,
@@ -242,7 +242,8 @@ def _open_logs(cfg: TrainConfig, run_dir: Path, start: _Start, job: _Job, consol
     atomic_write_json(run_dir / "config.json", cfg.to_dict())
     resuming = start.ckpt is not None or start.restart_in_place
     logger = MetricsLogger(run_dir, version=trainer.log_step, segment=next_segment(run_dir),
-                           purge_step=trainer.log_step + 1 if resuming else None)
+                           purge_step=trainer.log_step + 1 if resuming else None,
+                           log_cfg=cfg.log, run_config=cfg.to_dict())  # log.wandb: W&B too
     ctx.logger = logger
     ctx.stack.callback(logger.close)
     handler = logging.FileHandler(run_dir / "train.log")
@@ -283,6 +284,8 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
         from conveyor.runtime.ray import require_ray
 
         require_ray()
+    if cfg.log.wandb:  # likewise: pip install 'conveyor[wandb]'
+        require_wandb()
     start = _start_point(cfg, resume_dir, console, ctx)
     if isinstance(start, TrainResult):
         return start  # finished already: left untouched
@@ -385,10 +388,12 @@ def _finish(cfg: TrainConfig, job: _Job, parts: RolloutSide, loop: LoopResult, l
     if st.trajectories_accepted and st.reward_failures > 0.5 * st.trajectories_accepted:
         console.print(f"[bold yellow]warning:[/] {st.reward_failures} of {st.trajectories_accepted} rewards failed "
                       f"(reward.fn={cfg.reward.fn}); see {run_dir / 'train.log'}")
+    report = None
     try:
-        plot_report(run_dir, title=f"{cfg.model.name} on {cfg.data.train}, eta={cfg.asynchronous.eta}")
+        report = plot_report(run_dir, title=f"{cfg.model.name} on {cfg.data.train}, eta={cfg.asynchronous.eta}")
     except Exception:
         log.exception("report plot failed")
+    logger.report(report, summary)  # log.wandb: the report image and the summary to W&B
     return TrainResult(run_dir, trainer.version, before, after, summary["wall_seconds"],
                        loop.interrupted, summary["trainer_busy"], summary["engine_busy"])
 

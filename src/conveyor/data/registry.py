@@ -7,6 +7,8 @@ A *spec* names a data set; it is what a config file or the command line passes a
                                         reasoning-gym procedural task
     file:<path>[?question=F&answer=F&split=train|heldout]
     <path ending in .jsonl/.json/.parquet>[?...]   same as file:<path>
+    hf:<directory>[:<split>][?question=F&answer=F&split=train|heldout]
+                                        Hugging Face dataset on disk (read offline)
 
 Vendored sets (files under ``conveyor/data/files``, described in its README.md):
 
@@ -26,8 +28,8 @@ aime24              30     ``problem`` / ``answer`` (leading zeros dropped: "025
 amc23               40     ``question`` / ``answer`` formatted by format_number
 ==================  =====  ====================================================================
 
-Splits. gsm8k has its own train/test files. Every other vendored set (and any ``file:`` set via
-``?split=``) gets a deterministic train / held-out split: ``<name>:train`` and ``<name>:heldout``;
+Splits. gsm8k has its own train/test files. Every other vendored set (and any ``file:`` or
+``hf:`` set via ``?split=``) gets a deterministic train / held-out split: ``<name>:train`` and ``<name>:heldout``;
 ``<name>`` alone is every row in file order. Rows are grouped by their whitespace-normalised
 question so identical questions never straddle the split; each distinct question gets the rank
 ``sha256(f"{split_seed}\\0{question}")`` and the ``round(heldout_fraction * n_distinct)`` lowest
@@ -59,6 +61,17 @@ string or finite number) raises :class:`DatasetError` naming the file, the 1-bas
 item (JSON) or row (Parquet) and the field; with ``skip_malformed=True`` it is skipped and listed
 in :attr:`DatasetLoad.skipped`.
 
+Hugging Face datasets (``hf:``). ``<directory>`` is a dataset saved with
+``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` (read with ``datasets.load_from_disk``) or
+a local dataset repository: a directory of data files (JSONL, JSON, CSV, Parquet, ...) that
+``datasets.load_dataset(directory)`` reads. ``:<split>`` names the dataset's own split (e.g.
+``:train``, ``:test``); it is required when a ``DatasetDict`` has more than one. The rows then go
+through exactly the ``file:`` path: the same field mapping (``?question=`` / ``?answer=`` or the
+default field names), malformed-row errors (``row`` numbers) and the seeded ``?split=train|heldout``
+on top of the chosen split. Nothing is ever downloaded: the loader runs with
+``HF_DATASETS_OFFLINE=1`` / ``HF_HUB_OFFLINE=1`` and a path that does not exist locally (e.g. a Hub
+id such as ``HuggingFaceH4/MATH-500``) is a :class:`DatasetError` that says how to save the dataset first.
+
 Ids. ``Sample.id = f"{spec_without_query}/{row}"`` with ``row`` the 0-based position of the row in
 its source file (JSONL: line number - 1, so ids do not move when a malformed row is skipped);
 ``mawps:all`` ids name the subset: ``"mawps:all/singleop/17"``. ``Sample.dataset`` is the spec as
@@ -74,9 +87,11 @@ final answer after 'Answer:'". ``data.instruction`` uses it unless the config se
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -127,6 +142,11 @@ _QUESTION_FIELDS = ("question", "problem", "input", "prompt")
 _ANSWER_FIELDS = ("answer", "target", "Answer", "solution")
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 _FILE_OPTIONS = ("question", "answer", "split")
+_HF_SAVE_HINT = (
+    "python -c \"import datasets; datasets.load_dataset('HuggingFaceH4/MATH-500')"
+    ".save_to_disk('/data/math500')\" (on a machine with network access), then "
+    "hf:/data/math500:test"
+)
 _MAWPS_SUBSETS = ("addsub", "singleop", "singleeq", "multiarith")
 
 
@@ -206,7 +226,8 @@ def source_format(spec: str) -> SourceFormat:
     amc23 (any split)                             after 'Answer:'.")
     ``rg:<task>``                     text        :data:`INSTRUCTION_TEXT` (no "as a number":
                                                   reasoning-gym answers are often words)
-    ``file:`` / a data file path      math        :data:`INSTRUCTION_MATH`
+    ``file:`` / a data file path /    math        :data:`INSTRUCTION_MATH`
+    ``hf:``
     anything else                     math        :data:`INSTRUCTION_MATH`
     ================================  ==========  ============================================
 
@@ -589,7 +610,8 @@ def _unknown_spec(spec: str) -> DatasetError:
     return DatasetError(
         f"unknown dataset spec {spec!r}.{hint} Valid specs: {', '.join(valid)} "
         f"(each but gsm8k also with :train or :heldout), rg:<reasoning-gym task>[?size=N&seed=S], "
-        f"file:<path.jsonl|.json|.parquet>[?question=F&answer=F]."
+        f"file:<path.jsonl|.json|.parquet>[?question=F&answer=F], "
+        f"hf:<dataset directory>[:split][?question=F&answer=F]."
     )
 
 
@@ -606,6 +628,19 @@ def _load_rows(
 ) -> list[_Item]:
     """Read ``path`` and map each row; malformed rows raise DatasetError or go to ``skipped``."""
     where, rows = _read_rows(path)
+    return _map_rows(where, rows, display, to_sample, skip_malformed, skipped)
+
+
+def _map_rows(
+    where: str,
+    rows: Iterator[tuple[int, int, dict[str, Any] | _RowError]],
+    display: str,
+    to_sample: Callable[[int, dict[str, Any]], _Item],
+    skip_malformed: bool,
+    skipped: list[tuple[int, str]],
+) -> list[_Item]:
+    """Map each ``(index, number, row)``; malformed rows raise DatasetError naming ``display``,
+    ``where`` (line / item / row) and ``number``, or go to ``skipped``."""
     items: list[_Item] = []
     for index, number, row in rows:
         try:
@@ -664,31 +699,54 @@ def _dedupe(items: list[_Item]) -> list[_Item]:
     return kept
 
 
-def _load_file(
-    spec: str,
-    path_text: str,
-    query: str,
-    skip_malformed: bool,
-    skipped: list[tuple[int, str]],
-) -> tuple[list[_Item], str | None]:
+def _user_options(spec: str, query: str, kind: str) -> tuple[str | None, str | None, str | None]:
+    """The ``?question=F&answer=F&split=train|heldout`` options of a ``file:`` / ``hf:`` spec:
+    ``(question field, answer field, seeded part)``, each None if not given. Raises
+    DatasetError for an unknown option or split value."""
     options = _parse_query(spec, query)
     unknown = sorted(set(options) - set(_FILE_OPTIONS))
     if unknown:
         raise DatasetError(
             f"dataset spec {spec!r}: unknown option(s) {', '.join(unknown)}; "
-            f"file specs accept {', '.join(_FILE_OPTIONS)}"
+            f"{kind} specs accept {', '.join(_FILE_OPTIONS)}"
         )
     part = options.get("split")
     if part is not None and part not in _SPLITS:
         raise DatasetError(f"dataset spec {spec!r}: option split={part!r}; use train or heldout")
-    if not path_text:
-        raise DatasetError(f"dataset spec {spec!r}: empty file path")
-    path = Path(path_text).expanduser()
-    if path.suffix.lower() not in _FILE_SUFFIXES:
-        raise DatasetError(
-            f"dataset spec {spec!r}: file must end in {', '.join(_FILE_SUFFIXES)}, got {path.name!r}"
-        )
-    q_field, a_field = options.get("question"), options.get("answer")
+    return options.get("question"), options.get("answer"), part
+
+
+def _user_items(
+    spec: str,
+    source: str,
+    what: str,
+    where: str,
+    rows: Iterator[tuple[int, int, dict[str, Any] | _RowError]],
+    fields: tuple[str | None, str | None],
+    skip_malformed: bool,
+    skipped: list[tuple[int, str]],
+) -> list[_Item]:
+    """Map the rows of a user data source (``file:`` or ``hf:``) to samples: the question /
+    answer field mapping, ``metadata = {"source", "row", "fields"}``, ids ``<spec>/<row>``.
+
+    Args:
+        spec: The spec as given.
+        source: The file or dataset (for ``metadata["source"]`` and errors).
+        what: ``"data file"`` or ``"hf dataset"`` (for the error of a source without rows).
+        where: ``"line"`` / ``"item"`` / ``"row"``: what the 1-based numbers in errors count.
+        rows: ``(0-based index, 1-based number, row dict or _RowError)``.
+        fields: The ``?question=`` / ``?answer=`` field names (None: the default names).
+        skip_malformed: Skip malformed rows into ``skipped`` instead of raising.
+        skipped: Receives ``(number, reason)`` of skipped rows.
+
+    Returns:
+        The items, in source order.
+
+    Raises:
+        DatasetError: a malformed row (unless ``skip_malformed``), naming the source, the row
+            number and the field (with the fields present); no usable row at all.
+    """
+    q_field, a_field = fields
     prefix = spec.split("?", 1)[0]
 
     def to_sample(index: int, row: dict[str, Any]) -> _Item:
@@ -697,16 +755,152 @@ def _load_file(
         question = _question_text(row[q_name], q_name)
         answer = _answer_text(row[a_name], a_name)
         extra = {k: v for k, v in row.items() if k not in (q_name, a_name)}
-        meta = {"source": str(path), "row": index, "fields": extra}
+        meta = {"source": source, "row": index, "fields": extra}
         return _Item(
             _norm_question(question), Sample(f"{prefix}/{index}", question, answer, spec, meta)
         )
 
-    items = _load_rows(path, str(path), to_sample, skip_malformed, skipped)
-    if not items:  # an empty file would otherwise fail later, far from its name
+    items = _map_rows(where, rows, source, to_sample, skip_malformed, skipped)
+    if not items:  # an empty source would otherwise fail later, far from its name
         why = (f"all {len(skipped)} rows are malformed (skipped)" if skipped
-               else "it has no rows (empty file)")
-        raise DatasetError(f"data file {path}: {why}")
+               else "it has no rows (empty file)" if what == "data file" else "it has no rows")
+        raise DatasetError(f"{what} {source}: {why}")
+    return items
+
+
+def _load_file(
+    spec: str,
+    path_text: str,
+    query: str,
+    skip_malformed: bool,
+    skipped: list[tuple[int, str]],
+) -> tuple[list[_Item], str | None]:
+    q_field, a_field, part = _user_options(spec, query, "file")
+    if not path_text:
+        raise DatasetError(f"dataset spec {spec!r}: empty file path")
+    path = Path(path_text).expanduser()
+    if path.suffix.lower() not in _FILE_SUFFIXES:
+        raise DatasetError(
+            f"dataset spec {spec!r}: file must end in {', '.join(_FILE_SUFFIXES)}, got {path.name!r}"
+        )
+    where, rows = _read_rows(path)
+    items = _user_items(spec, str(path), "data file", where, rows, (q_field, a_field),
+                        skip_malformed, skipped)
+    return items, part
+
+
+@contextlib.contextmanager
+def _hf_offline() -> Iterator[Any]:
+    """Import ``datasets`` and keep it (and huggingface_hub) offline for the block:
+    ``HF_DATASETS_OFFLINE=1`` / ``HF_HUB_OFFLINE=1`` in the environment and in ``datasets.config``
+    (read at import), progress bars off; everything restored afterwards. Yields the module.
+    Raises DatasetError if ``datasets`` is not installed."""
+    names = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+    saved_env = {k: os.environ.get(k) for k in names}
+    os.environ.update({k: "1" for k in names})
+    try:
+        try:
+            import datasets
+        except ImportError as exc:
+            raise DatasetError(
+                f"hf: specs need the datasets library, which is not installed: "
+                f"pip install 'datasets>=2.19' ({exc})"
+            ) from None
+        saved_cfg = {k: getattr(datasets.config, k) for k in names if hasattr(datasets.config, k)}
+        for k in saved_cfg:
+            setattr(datasets.config, k, True)
+        bars_were_off = datasets.utils.are_progress_bars_disabled()
+        datasets.disable_progress_bars()
+        try:
+            yield datasets
+        finally:
+            for k, v in saved_cfg.items():
+                setattr(datasets.config, k, v)
+            if not bars_were_off:
+                datasets.enable_progress_bars()
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _hf_target(spec: str, text: str) -> tuple[Path, str | None]:
+    """``<directory>[:<split>]`` -> (directory, split or None). A path that exists as given keeps
+    its colons; otherwise a last ``:name`` without ``/`` is the split. Raises DatasetError if the
+    directory does not exist locally (nothing is downloaded) or is a file."""
+    if not text:
+        raise DatasetError(f"dataset spec {spec!r}: empty dataset path")
+    path, split = Path(text).expanduser(), None
+    head, sep, tail = text.rpartition(":")
+    if not path.exists() and sep and head and tail and "/" not in tail:
+        path, split = Path(head).expanduser(), tail
+    if not path.exists():
+        raise DatasetError(
+            f"dataset spec {spec!r}: {path} does not exist locally. hf: reads datasets on this "
+            f"machine only; the Hugging Face Hub is never contacted (HF_DATASETS_OFFLINE=1). "
+            f"Save the dataset to a directory first, e.g. {_HF_SAVE_HINT}"
+        )
+    if not path.is_dir():
+        raise DatasetError(
+            f"dataset spec {spec!r}: {path} is a file; hf: takes a directory (written by "
+            f"save_to_disk, or a dataset repository of data files); for one data file use "
+            f"file:{path}"
+        )
+    return path, split
+
+
+def _load_hf(
+    spec: str,
+    path_text: str,
+    query: str,
+    skip_malformed: bool,
+    skipped: list[tuple[int, str]],
+) -> tuple[list[_Item], str | None]:
+    """Rows of a Hugging Face dataset on disk, through the ``file:`` mapping (:func:`_user_items`)."""
+    q_field, a_field, part = _user_options(spec, query, "hf")
+    path, split = _hf_target(spec, path_text)
+    with _hf_offline() as datasets:
+        saved = (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+        try:
+            obj = datasets.load_from_disk(str(path)) if saved else datasets.load_dataset(str(path))
+        except Exception as exc:  # datasets raises many types (FileNotFoundError, ValueError, ...)
+            raise DatasetError(
+                f"dataset spec {spec!r}: datasets cannot read {path} "
+                f"({type(exc).__name__}: {exc}); hf: takes a directory written by "
+                f"Dataset.save_to_disk / DatasetDict.save_to_disk, or a dataset repository of "
+                f"data files (.jsonl, .json, .csv, .parquet, ...)"
+            ) from None
+        if isinstance(obj, datasets.DatasetDict):
+            names = list(obj)
+            if split is None and len(names) == 1:
+                split = names[0]
+            elif split is None:
+                raise DatasetError(
+                    f"dataset spec {spec!r}: {path} has the splits {', '.join(names)}; name one, "
+                    f"e.g. hf:{path}:{names[0]}"
+                )
+            if split not in obj:
+                raise DatasetError(
+                    f"dataset spec {spec!r}: {path} has no split {split!r}; its splits: "
+                    f"{', '.join(names) or 'none'}"
+                )
+            dataset = obj[split]
+        else:
+            dataset = obj
+            own = None if dataset.split is None else str(dataset.split)
+            if split is not None and split != own:
+                raise DatasetError(
+                    f"dataset spec {spec!r}: {path} holds a single Dataset (split "
+                    f"{own or 'unnamed'}), which has no split {split!r}; its splits: "
+                    f"{own or 'none (drop the :' + split + ')'}"
+                )
+        records = dataset.to_list()
+    source = f"{path}:{split}" if split is not None else str(path)
+    rows = ((index, index + 1, row) for index, row in enumerate(records))
+    items = _user_items(spec, source, "hf dataset", "row", rows, (q_field, a_field),
+                        skip_malformed, skipped)
     return items, part
 
 
@@ -813,8 +1007,9 @@ def load_dataset_report(
 
     Args:
         spec: Data set spec, e.g. ``"gsm8k:test"``, ``"mawps:singleop:heldout"``,
-            ``"rg:basic_arithmetic?size=200&seed=1"``, ``"file:/data/x.jsonl?answer=solution"``.
-        split_seed: Seed of the train / held-out split (vendored and ``file:`` sets).
+            ``"rg:basic_arithmetic?size=200&seed=1"``, ``"file:/data/x.jsonl?answer=solution"``,
+            ``"hf:/data/math500:test?split=heldout"``.
+        split_seed: Seed of the train / held-out split (vendored, ``file:`` and ``hf:`` sets).
         limit: Keep only the first ``limit`` samples after the split (None: all).
         skip_malformed: Skip malformed rows (recorded in ``skipped``) instead of raising.
         heldout_fraction: Share of distinct questions held out, in (0, 1).
@@ -827,7 +1022,10 @@ def load_dataset_report(
 
     Raises:
         DatasetError: Unknown spec (the message lists valid specs), bad option, missing file,
-            malformed row (file, 1-based line and field named) unless ``skip_malformed``.
+            malformed row (file, 1-based line and field named) unless ``skip_malformed``;
+            ``hf:``: a directory that does not exist locally (nothing is downloaded), that
+            ``datasets`` cannot read, a missing split (the message lists the splits), a
+            missing field (the message lists the fields), ``datasets`` not installed.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise DatasetError(f"dataset spec must be a non-empty string, got {spec!r}")
@@ -848,6 +1046,8 @@ def load_dataset_report(
         items, part = _load_rg(spec, base, query, rg_size, rg_seed, rg_config), None
     elif base.startswith("file:"):
         items, part = _load_file(spec, base[len("file:") :], query, skip_malformed, skipped)
+    elif base.startswith("hf:"):
+        items, part = _load_hf(spec, base[len("hf:") :], query, skip_malformed, skipped)
     elif base.lower().endswith(_FILE_SUFFIXES):
         items, part = _load_file(spec, base, query, skip_malformed, skipped)
     else:
