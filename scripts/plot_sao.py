@@ -44,7 +44,9 @@ def load(run: Path) -> dict:
     eval_s = sum(e.get("wall_seconds", 0.0) for e in evals if str(e.get("label", "")).startswith("step_"))
     return {
         "name": run.name, "per_step": per_step, "warm": warm, "metrics": metrics, "n_warm": n_warm,
-        "evals": [((n_warm + e["version"]) * per_step, e["label"], e["pass_at_1"]) for e in evals],
+        # "before" is at 0 responses (runs logged before the warm-up offset stamped it version 0)
+        "evals": [(0 if e["label"] == "before" else (n_warm + e["version"]) * per_step, e["label"], e["pass_at_1"])
+                  for e in evals],
         "responses": (n_warm + len(metrics)) * per_step,
         "train_s": summary.get("wall_seconds", float("nan")) - eval_s if summary else float("nan"),
         "dropped": metrics[-1].get("rollout/dropped_stale", float("nan")) if metrics else float("nan"),
