@@ -489,3 +489,20 @@ def test_cli_report_and_datasets():
     assert r.exit_code == 2 and "no such run directory" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(app, ["datasets"])
     assert r.exit_code == 0 and "rg:basic_arithmetic" in r.output and "mawps:singleop" in r.output
+
+
+def test_stop_report_before_the_first_checkpoint_says_resume(tmp_path):
+    """A second Ctrl-C before any checkpoint: the advice is --resume RUN_DIR (the same command
+    would be refused: the directory already holds a run)."""
+    from rich.console import Console
+
+    from conveyor.rundir import RunContext
+
+    ctx = RunContext(Console())
+    ctx.run_dir, ctx.phase = tmp_path, "training"
+    try:
+        msg = ctx.stop_report()
+    finally:
+        ctx.close()
+    assert "no checkpoint was written" in msg and f"conveyor train --resume {tmp_path}" in msg
+    assert "during training" in msg

@@ -158,7 +158,7 @@ class RunContext:
         if ckpt is None:
             return (
                 f"stopped now (during {self.phase}): no checkpoint was written in {self.run_dir}; "
-                "start the run again (the same command)"
+                f"start it again from version 0 in the same directory with: conveyor train --resume {self.run_dir}"
             )
         lost = ""
         if version is not None and checkpoint_version(ckpt) < version:

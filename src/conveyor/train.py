@@ -311,7 +311,8 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
     steering_state = ((job.state or {}).get("controller", {}).get("runtime", {}) or {}).get("steering")
     loop = train_loop(cfg, trainer, parts, logger, run_dir, console, ctx, tokenizer=job.tokenizer,
                       heldout=job.heldout, progress=progress, steering_state=steering_state)
-    ctx.phase = "the evaluation, export and summary after training"
+    if loop.error is None:  # (a StopNow keeps the phase it interrupted for its report)
+        ctx.phase = "the evaluation, export and summary after training"
     return _finish(cfg, job, parts, loop, logger, run_dir, console, ctx, before, progress)
 
 

@@ -268,8 +268,9 @@ def build_steering(cfg: TrainConfig, trainer: Trainer, controller, logger: Metri
         steering.load_state_dict(state)
     if steering.eta != a.eta:
         controller.set_eta(steering.eta)
-        logger.event("eta_change", version=trainer.version, old_eta=a.eta, new_eta=steering.eta,
-                     reason="resumed" if state else "async.adaptive: floor(ratio_base x eta_max)")
+        reason = "resumed" if state else "async.adaptive: floor(ratio_base x eta_max)"
+        logger.event("eta_change", version=trainer.version, old_eta=a.eta, new_eta=steering.eta, reason=reason)
+        console.print(f"eta {steering.eta} instead of async.eta={a.eta} ({reason})")
     return steering
 
 
@@ -334,6 +335,7 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
                 metrics.update(batch_metrics(out.batch))
                 metrics.update(clock.tick())
                 metrics.update(parts.rollout.counters())
+                metrics["staleness/eta"] = float("nan") if steering.eta is None else float(steering.eta)  # in force
                 recorder.step(trainer.version, metrics, out.batch, parts.rollout.take_not_trained(),
                               trainer.take_events())
                 steering.after_step(trainer.version, metrics, [float(t.reward) for t in out.batch])
