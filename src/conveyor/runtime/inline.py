@@ -315,6 +315,7 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
     recorder = StepRecorder(logger, controller, console, bar, task, total, progress)
     error: BaseException | None = None
     bookkeeping_s: float | None = None
+    sent_state: dict | None = None  # the steering state the rollout side holds for checkpoints
     try:
         with bar:
             if trainer.in_critic_warmup:
@@ -349,7 +350,10 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
                     console.print(f"  held-out pass@1 at version {trainer.version}: {res.pass_at_1:.3f} "
                                   f"({res.wall_seconds:.0f} s)")
                     steering.after_eval(trainer.version, res.pass_at_1)
-                controller.set_runtime_state({"steering": steering.state_dict()})  # for the checkpoints
+                runtime_state = {"steering": steering.state_dict()}
+                if runtime_state != sent_state:  # for the checkpoints; unchanged: no call (an actor call on Ray)
+                    controller.set_runtime_state(runtime_state)
+                    sent_state = runtime_state
                 # the checkpoint of the last step is the final one (run.final_checkpoint), below
                 if trainer.version % cfg.run.checkpoint_every == 0 and trainer.version < total:
                     p = save_checkpoint(run_dir, trainer, controller, keep=cfg.run.keep_checkpoints)
