@@ -197,10 +197,16 @@ def test_a_dead_actor_is_a_clear_error_not_a_hang(tmp_path, cluster, monkeypatch
     with pytest.raises(RolloutActorError, match="rollout actor died"):
         run_training(cfg)
     assert time.time() - t0 < 120
-    # the final checkpoint needs the actor's snapshot: it fails, logged; the periodic one is intact
-    events = [e["event"] for e in rows_of(run / "events.jsonl")]
-    assert "checkpoint_failed" in events and "error" in events
-    assert _latest_checkpoint(run) is not None
+    # the final checkpoint needs the actor's snapshot: it fails, logged; the periodic one is intact.
+    # When the death is found right after a periodic checkpoint of the same version, that one
+    # already is the final one (save_checkpoint returns it unchanged): nothing to fail.
+    rows = rows_of(run / "events.jsonl")
+    events = [e["event"] for e in rows]
+    assert "error" in events
+    ckpt = _latest_checkpoint(run)
+    assert ckpt is not None
+    error_version = int(next(e for e in rows if e["event"] == "error")["version"])
+    assert "checkpoint_failed" in events or int(ckpt.name.split("_")[1]) == error_version, (events, ckpt)
     assert wait_cpus_free() >= 2
 
 

@@ -114,6 +114,13 @@ class RewardConfig(_Strict):
     failure_score: float = 0.0
     workers: int = Field(default=2, ge=1)
     max_abs: float = Field(default=1e6, gt=0, description="a reward beyond +-max_abs is a failed (invalid) reward")
+    overlong: Literal["keep", "zero", "soft"] = Field(
+        default="keep", description="responses cut at rollout.max_new_tokens: keep the reward, zero it, or soft "
+                                    "(DAPO's length penalty over the last overlong_buffer tokens); "
+                                    "conveyor.rewards.overlong")
+    overlong_buffer: int = Field(default=16, ge=1, description="soft: tokens before the limit where the penalty "
+                                                               "ramps from 0 to -overlong_penalty (DAPO L_cache)")
+    overlong_penalty: float = Field(default=1.0, ge=0, description="soft: the penalty at the limit")
 
 
 class LossConfig(_Strict):
@@ -411,6 +418,9 @@ class TrainConfig(_Strict):
             raise ValueError("rollout.filter_all_equal=true with rollout.group_size=1: a group of one response is "
                              "always all-equal, so every trajectory would be filtered; set "
                              "rollout.filter_all_equal=false for single-rollout training")
+        if self.reward.overlong == "soft" and self.reward.overlong_buffer > self.rollout.max_new_tokens:
+            raise ValueError(f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be <= "
+                             f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) with reward.overlong=soft")
         if self.critic.warmup_steps and self.loss.advantage != "gae":
             raise ValueError(f"critic.warmup_steps={self.critic.warmup_steps} needs a critic: set loss.advantage=gae "
                              "(or critic.warmup_steps=0)")

@@ -16,6 +16,12 @@ from typing import Protocol, runtime_checkable
 
 from conveyor.prompts import build_prompt_ids
 from conveyor.rewards import ANSWER_METRICS, RewardService
+from conveyor.rewards.overlong import (
+    OVERLONG_MODES,
+    OverlongMode,
+    shape_overlong_reward,
+    soft_overlong_penalty,
+)
 from conveyor.rollout.engine import SamplingParams
 from conveyor.rollout.tools import TOOLS, generate_with_calculator
 from conveyor.types import Sample, Trajectory
@@ -54,6 +60,11 @@ class SingleTurnMathWorkflow:
             (:mod:`conveyor.rollout.tools`); its results are observation tokens
             (``trajectory.action_mask`` 0), never trained on.
         max_tool_calls: Observations per response at most.
+        overlong: ``reward.overlong`` (``keep``, ``zero``, ``soft``): the reward of a response cut at
+            ``params.max_new_tokens`` (:func:`conveyor.rewards.overlong.shape_overlong_reward`;
+            the reward function's score stays in ``metadata["raw_reward"]``).
+        overlong_buffer: ``soft``: DAPO's ``L_cache`` in tokens.
+        overlong_penalty: ``soft``: the penalty factor.
 
     Raises:
         ValueError: ``group_size < 1``, an unknown ``tool``, or a reward service without the
@@ -61,7 +72,8 @@ class SingleTurnMathWorkflow:
     """
 
     def __init__(self, tokenizer, reward_service: RewardService, params: SamplingParams, *, group_size: int = 4, instruction: str = "",
-                 tool: str = "none", max_tool_calls: int = 4):
+                 tool: str = "none", max_tool_calls: int = 4, overlong: OverlongMode = "keep",
+                 overlong_buffer: int = 16, overlong_penalty: float = 1.0):
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         if tool not in TOOLS:
@@ -79,6 +91,13 @@ class SingleTurnMathWorkflow:
         self.params = params
         self.group_size = group_size
         self.instruction = instruction
+        self.overlong = overlong
+        self.overlong_buffer = overlong_buffer
+        self.overlong_penalty = overlong_penalty
+        if overlong == "soft":  # the arguments' errors at construction, not at the first episode
+            soft_overlong_penalty(0, params.max_new_tokens, overlong_buffer)
+        elif overlong not in OVERLONG_MODES:
+            raise ValueError(f"overlong must be one of {OVERLONG_MODES}, got {overlong!r}")
 
     async def run_episode(self, engine, sample: Sample) -> list[Trajectory] | None:
         """Sample ``group_size`` responses concurrently and score them.
@@ -103,6 +122,10 @@ class SingleTurnMathWorkflow:
         trajs = []
         for o, r in zip(outs, results, strict=True):
             correct, fmt = r.metrics.get("correct"), r.metrics.get("format_ok")
+            reward = shape_overlong_reward(float(r.score), length=len(o.token_ids),
+                                           truncated=o.finish_reason == "length", mode=self.overlong,
+                                           max_length=self.params.max_new_tokens, buffer=self.overlong_buffer,
+                                           penalty=self.overlong_penalty)
             trajs.append(
                 Trajectory(
                     sample=sample,
@@ -111,7 +134,7 @@ class SingleTurnMathWorkflow:
                     response_ids=list(o.token_ids),
                     behaviour_logprobs=list(o.logprobs),
                     versions=list(o.versions),
-                    reward=float(r.score),
+                    reward=reward,
                     correct=None if correct is None else correct >= 1.0,
                     finish_reason=o.finish_reason,
                     text=o.text,
@@ -119,6 +142,7 @@ class SingleTurnMathWorkflow:
                     sampling_mask=o.sampling_mask,  # truncated sampling's sets
                     metadata={
                         "reward_failed": r.failed,
+                        "raw_reward": float(r.score),  # before reward.overlong
                         "reward_error": r.error,
                         "format_ok": None if fmt is None else fmt >= 1.0,
                         "num_interruptions": o.num_interruptions,

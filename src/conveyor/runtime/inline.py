@@ -109,6 +109,26 @@ class RolloutSide:
 InlineRollout = RolloutSide  # the name before the Ray runtime (kept for callers)
 
 
+def build_workflow(cfg: TrainConfig, tokenizer, reward_service: RewardService, *, version: int):
+    """The main job's workflow from ``cfg`` (``rollout.*``, ``data.instruction``,
+    ``reward.overlong*``): :class:`~conveyor.rollout.workflow.SingleTurnMathWorkflow`, wrapped in
+    :class:`~conveyor.rollout.workflow.EnvLatencyWorkflow` when ``rollout.env_latency.median_s >
+    0`` (its seed offset by ``version`` so a resumed run draws new latencies). The same for every
+    runtime (inline, the Ray rollout actor)."""
+    r = cfg.rollout
+    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                            top_k=r.top_k, min_p=r.min_p)
+    workflow = SingleTurnMathWorkflow(tokenizer, reward_service, params, group_size=r.group_size,
+                                      instruction=cfg.data.instruction, tool=r.tool, max_tool_calls=r.max_tool_calls,
+                                      overlong=cfg.reward.overlong, overlong_buffer=cfg.reward.overlong_buffer,
+                                      overlong_penalty=cfg.reward.overlong_penalty)
+    lat = r.env_latency
+    if lat.median_s > 0:
+        workflow = EnvLatencyWorkflow(workflow, median_s=lat.median_s, sigma=lat.sigma, max_s=lat.max_s,
+                                      seed=lat.seed + version)
+    return workflow
+
+
 def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, train_samples, *,
                   engine_threads: int, logger: MetricsLogger, ctx: RunContext, n_too_long: int = 0,
                   state: dict | None = None) -> RolloutSide:
@@ -136,14 +156,7 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
                                    max_abs_score=cfg.reward.max_abs)
     ctx.stack.callback(reward_service.close)
     G = cfg.rollout.group_size
-    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                            min_p=cfg.rollout.min_p)
-    workflow = SingleTurnMathWorkflow(tokenizer, reward_service, params, group_size=G, instruction=cfg.data.instruction,
-                                      tool=cfg.rollout.tool, max_tool_calls=cfg.rollout.max_tool_calls)
-    lat = cfg.rollout.env_latency
-    if lat.median_s > 0:
-        workflow = EnvLatencyWorkflow(workflow, median_s=lat.median_s, sigma=lat.sigma, max_s=lat.max_s, seed=lat.seed + trainer.version)
+    workflow = build_workflow(cfg, tokenizer, reward_service, version=trainer.version)
     eta = cfg.asynchronous.eta
     B = cfg.trainer.batch_size * G  # trajectories per update
     staleness = StalenessManager(batch_size=B, eta=eta, max_concurrent=max(cfg.rollout.max_concurrent, G))

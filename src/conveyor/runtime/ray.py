@@ -229,9 +229,9 @@ class RolloutActor:
         from conveyor.rewards import ANSWER_METRICS, RewardService, load_reward_fn
         from conveyor.rollout.buffer import TrajectoryBuffer
         from conveyor.rollout.controller import DataStream, RolloutController
-        from conveyor.rollout.engine import InferenceEngine, SamplingParams
+        from conveyor.rollout.engine import InferenceEngine
         from conveyor.rollout.staleness import StalenessManager
-        from conveyor.rollout.workflow import EnvLatencyWorkflow, SingleTurnMathWorkflow
+        from conveyor.runtime.inline import build_workflow
 
         t0 = time.perf_counter()
         version = weights.version
@@ -252,15 +252,7 @@ class RolloutActor:
                                             failure_score=cfg.reward.failure_score, max_workers=cfg.reward.workers,
                                             metrics=ANSWER_METRICS, max_abs_score=cfg.reward.max_abs)
         G = cfg.rollout.group_size
-        params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                                top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, min_p=cfg.rollout.min_p)
-        workflow = SingleTurnMathWorkflow(lm.tokenizer, self.reward_service, params, group_size=G,
-                                          instruction=cfg.data.instruction, tool=cfg.rollout.tool,
-                                          max_tool_calls=cfg.rollout.max_tool_calls)
-        lat = cfg.rollout.env_latency
-        if lat.median_s > 0:
-            workflow = EnvLatencyWorkflow(workflow, median_s=lat.median_s, sigma=lat.sigma, max_s=lat.max_s,
-                                          seed=lat.seed + version)
+        workflow = build_workflow(cfg, lm.tokenizer, self.reward_service, version=version)
         eta = cfg.asynchronous.eta
         B = cfg.trainer.batch_size * G
         staleness = StalenessManager(batch_size=B, eta=eta, max_concurrent=max(cfg.rollout.max_concurrent, G))
@@ -442,7 +434,7 @@ class _Handle:
         ray = self.ray
         timeout = self.timeout_s if timeout is None else timeout
         if self.dead is not None:
-            raise RolloutActorError(f"the rollout actor is gone ({self.dead}); {method}() was not called")
+            raise RolloutActorError(f"{self.dead}; {method}() was not called")
         try:
             ref = getattr(self.actor, method).remote(*args, **kwargs)
             return ray.get(ref, timeout=timeout)
@@ -457,10 +449,11 @@ class _Handle:
             what = f"{type(cause).__name__}: {cause}" if cause is not None else str(e).splitlines()[0]
             raise RolloutActorError(f"rollout actor: {method}() failed: {what}") from cause
         except ray.exceptions.RayActorError as e:
-            self.dead = f"it died during {method}()"
             first = str(e).strip().splitlines()
-            raise RolloutActorError(f"the rollout actor died during {method}(): "
-                                    f"{' '.join(first[:3]) if first else type(e).__name__}") from None
+            # every later call repeats this (the first caller may have swallowed it, e.g. stats())
+            self.dead = (f"the rollout actor died during {method}(): "
+                         f"{' '.join(first[:3]) if first else type(e).__name__}")
+            raise RolloutActorError(self.dead) from None
         except ray.exceptions.RayError as e:
             raise RolloutActorError(f"rollout actor: {method}(): {type(e).__name__}: {e}") from None
 
