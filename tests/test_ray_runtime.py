@@ -192,7 +192,7 @@ def test_a_dead_actor_is_a_clear_error_not_a_hang(tmp_path, cluster, monkeypatch
     monkeypatch.setenv("CONVEYOR_ACTOR_FAULTS", "kill@generate#40")  # SIGKILL the actor's process
     run = tmp_path / "r"
     cfg = load_config(None, BASE + RAY + NO_EVAL + ["trainer.total_steps=50", "async.eta=1", f"run.dir={run}",
-                                                    "run.checkpoint_every=1"])
+                                                    "run.checkpoint_every=1", "runtime.max_actor_restarts=0"])
     t0 = time.time()
     with pytest.raises(RolloutActorError, match="rollout actor died"):
         run_training(cfg)
@@ -207,6 +207,34 @@ def test_a_dead_actor_is_a_clear_error_not_a_hang(tmp_path, cluster, monkeypatch
     assert ckpt is not None
     error_version = int(next(e for e in rows if e["event"] == "error")["version"])
     assert "checkpoint_failed" in events or int(ckpt.name.split("_")[1]) == error_version, (events, ckpt)
+    assert wait_cpus_free() >= 2
+
+
+def test_a_dead_actor_is_restarted_and_the_run_finishes_without_losing_or_repeating_a_sample(tmp_path, cluster,
+                                                                                            monkeypatch):
+    # the fault drill (issue 12, section 4): SIGKILL the actor mid-run; the first actor only
+    # gets the fault, so the restarted one runs to the end
+    monkeypatch.setenv("CONVEYOR_ACTOR_FAULTS", "kill@generate#40")
+    run = tmp_path / "r"
+    cfg = load_config(None, BASE + RAY + NO_EVAL + ["trainer.total_steps=8", "async.eta=1", f"run.dir={run}",
+                                                    "run.checkpoint_every=1000"])
+    run_training(cfg)
+    rows = rows_of(run / "events.jsonl")
+    restarts = [e for e in rows if e["event"] == "actor_restarted"]
+    assert len(restarts) == 1, [e["event"] for e in rows]
+    assert restarts[0]["restarts"] == 1 and "died" in restarts[0]["reason"]
+    assert 0 < restarts[0]["version"] < 8  # mid-run
+    assert "error" not in [e["event"] for e in rows]
+    trained = rows_of(run / "trained.jsonl")
+    assert [r["step"] for r in trained] == list(range(1, 9))  # every step trained, once
+    groups = [g["group"] for r in trained for g in r["groups"]]
+    samples = [g["sample"] for r in trained for g in r["groups"]]
+    assert len(groups) == 16 and len(set(groups)) == 16  # no trajectory trained twice
+    assert len(set(samples)) == 16  # one epoch is 300+ samples: a repeated sample would be a duplicate
+    # the engine's counters continue over the restart (busy seconds never go backwards)
+    steps = rows_of(run / "metrics.jsonl")
+    assert len(steps) == 8 and all(0 <= m["busy/engine"] <= 1 and m["throughput/generated_tokens_per_s"] >= 0
+                                   for m in steps)
     assert wait_cpus_free() >= 2
 
 

@@ -364,6 +364,10 @@ class RuntimeConfig(_Strict):
         description="ray: seconds a call to the rollout actor may take before the run stops with an error "
                     "(weight updates, scoring, snapshots); never a silent hang")
     eval_timeout_s: float = Field(default=7200.0, gt=0, description="ray: seconds a held-out evaluation in the actor may take")
+    max_actor_restarts: int = Field(
+        default=2, ge=0,
+        description="ray: times a dead rollout actor is restarted per run (from the state of its last hand-out, "
+                    "its lost episodes generated again); 0 = a dead actor stops the run")
 
 
 class LogConfig(_Strict):

@@ -283,6 +283,7 @@ class RolloutController:
                 "staleness": self.staleness.state_dict(),
                 "stats": st,
                 "runtime": dict(self._runtime_state),
+                "inflight": len(self._inflight),  # episodes whose samples lead "requeue" (information)
             }
 
     def restore(self, state: dict, version: int) -> None:

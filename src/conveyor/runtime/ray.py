@@ -37,8 +37,9 @@ e.g. :class:`~conveyor.data.DatasetError`), a dead actor likewise; the loop then
 checkpoint (which needs the actor's snapshot: after an actor *death* it fails, logged, and the
 last periodic checkpoint stays the newest). Log records of the actor (``conveyor.*`` loggers:
 failed rewards, episode tracebacks) are forwarded to the driver's ``train.log``. Not done yet:
-restarting a dead engine / actor and resubmitting its requests, several engine actors, a
-trainer actor.
+several engine actors, a trainer actor. A dead actor is restarted
+(``runtime.max_actor_restarts``, default 2) and continues from the state it handed out last,
+its lost episodes generated again (:class:`_ActorReviver`); the loop goes on.
 
 Ray is imported lazily: ``import conveyor`` works without it.
 """
@@ -298,6 +299,16 @@ class RolloutActor:
             if self.buffer.size() >= n:  # enough but not admissible (e.g. group sizes): do not spin
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
+    def next_batch_with_snapshot(self, n: int, version: int, wait_s: float):
+        """:meth:`next_batch`, and when a batch leaves, the controller's :meth:`snapshot` taken
+        right after it (``(batch, snapshot)``, or ``(None, None)``): the state a restarted actor
+        continues from, consistent with what the driver has received (nothing handed out is in
+        it, nothing buffered is missing)."""
+        batch = self.next_batch(n, version, wait_s)
+        if batch is None:
+            return None, None
+        return batch, self.controller.snapshot()
+
     def set_version(self, version: int) -> None:
         """:meth:`RolloutController.set_version`."""
         self.controller.set_version(version)
@@ -422,6 +433,8 @@ class _Handle:
         self.timeout_s = timeout_s
         self.logger = logger  # the run's MetricsLogger (skip events), or None
         self.dead: str | None = None
+        self.generation = 0  # incremented by every restart (a call knows which actor it talked to)
+        self.reviver: _ActorReviver | None = None  # restarts a dead actor (build_ray_rollout)
 
     def call(self, method: str, *args, timeout: float | None = None, passthrough: tuple = (), **kwargs):
         """``actor.<method>(*args, **kwargs)``, waited for at most ``timeout`` seconds
@@ -435,6 +448,7 @@ class _Handle:
         timeout = self.timeout_s if timeout is None else timeout
         if self.dead is not None:
             raise RolloutActorError(f"{self.dead}; {method}() was not called")
+        generation = self.generation
         try:
             ref = getattr(self.actor, method).remote(*args, **kwargs)
             return ray.get(ref, timeout=timeout)
@@ -450,9 +464,13 @@ class _Handle:
             raise RolloutActorError(f"rollout actor: {method}() failed: {what}") from cause
         except ray.exceptions.RayActorError as e:
             first = str(e).strip().splitlines()
+            why = f"the rollout actor died during {method}(): {' '.join(first[:3]) if first else type(e).__name__}"
+            if self.reviver is not None and self.reviver.revive(generation, method, why):
+                if method in _NOT_REPEATED_AFTER_RESTART:
+                    return None
+                return self.call(method, *args, timeout=timeout, passthrough=passthrough, **kwargs)
             # every later call repeats this (the first caller may have swallowed it, e.g. stats())
-            self.dead = (f"the rollout actor died during {method}(): "
-                         f"{' '.join(first[:3]) if first else type(e).__name__}")
+            self.dead = why
             raise RolloutActorError(self.dead) from None
         except ray.exceptions.RayError as e:
             raise RolloutActorError(f"rollout actor: {method}(): {type(e).__name__}: {e}") from None
@@ -505,7 +523,14 @@ class RayRollout:
         """
         while True:
             wait = 0.0 if stop is not None and stop.is_set() else self.poll_s
-            batch = self._h.call("next_batch", n, version, wait, timeout=wait + self._h.timeout_s)
+            reviver = self._h.reviver
+            if reviver is None:
+                batch = self._h.call("next_batch", n, version, wait, timeout=wait + self._h.timeout_s)
+            else:  # the state a restarted actor continues from, taken with the hand-out
+                batch, snap = self._h.call("next_batch_with_snapshot", n, version, wait,
+                                           timeout=wait + self._h.timeout_s) or (None, None)
+                if snap is not None:
+                    reviver.snapshot = snap
             if batch is not None:
                 return batch
             if stop is not None and stop.is_set():
@@ -537,10 +562,15 @@ class RayRollout:
     # the controller
     def start(self) -> None:
         """Start the controller in the actor."""
+        if self._h.reviver is not None:
+            self._h.reviver.started = True  # a restarted actor starts its controller too
         self._h.call("controller_start")
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the controller (tolerant: an actor already gone is only logged)."""
+        """Stop the controller (tolerant: an actor already gone is only logged). From here on a
+        dead actor is not restarted."""
+        if self._h.reviver is not None:
+            self._h.reviver.active = False
         try:
             self._h.call("controller_stop", timeout, timeout=timeout + self._h.timeout_s)
         except RolloutActorError as e:
@@ -588,6 +618,8 @@ class RayRollout:
 
     def set_eta(self, eta: int | None) -> None:
         """Change the staleness bound in the actor (capacity rule and buffer)."""
+        if self._h.reviver is not None:
+            self._h.reviver.eta = (eta,)  # a restarted actor gets it too
         self._h.call("set_eta", eta)
 
     def set_runtime_state(self, state: dict) -> None:
@@ -612,6 +644,13 @@ class RayEngine:
     def __init__(self, handle: _Handle):
         self._h = handle
         self._last_stats: dict | None = None
+        self._offset: dict[str, float] = {}  # the counters of engines that died (restarts)
+
+    def carry_counters(self) -> None:
+        """The actor was restarted: the dead engine's cumulative counters (the last ones read)
+        are added to the new engine's, so busy seconds and token counts never go backwards."""
+        if self._last_stats is not None:
+            self._offset = {k: v for k, v in self._last_stats.items() if k in _CUMULATIVE_ENGINE_STATS}
 
     @property
     def version(self) -> int:
@@ -645,7 +684,10 @@ class RayEngine:
             RolloutActorError: the actor never answered.
         """
         try:
-            self._last_stats = self._h.call("engine_call", "stats")
+            st = self._h.call("engine_call", "stats")
+            for k, v in self._offset.items():
+                st[k] = st.get(k, 0) + v
+            self._last_stats = st
         except RolloutActorError:
             if self._last_stats is None:
                 raise
@@ -724,15 +766,15 @@ class RayRewardService:
             log.warning("closing the reward service: %s", e, extra={"console": False})
 
 
-def _actor_env() -> dict[str, str]:
+def _actor_env(faults: bool = True) -> dict[str, str]:
     env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
-    faults = os.environ.get(ACTOR_FAULTS_ENV)
-    if faults is not None:
-        env["CONVEYOR_FAULTS"] = faults
+    value = os.environ.get(ACTOR_FAULTS_ENV)
+    if faults and value is not None:
+        env["CONVEYOR_FAULTS"] = value
     return env
 
 
-def start_rollout_actor(runtime_cfg, *, logger=None):
+def start_rollout_actor(runtime_cfg, *, logger=None, faults: bool = True):
     """Create a :class:`RolloutActor` on the connected cluster (not set up yet) and wait until
     it answers.
 
@@ -740,6 +782,8 @@ def start_rollout_actor(runtime_cfg, *, logger=None):
         runtime_cfg: The :class:`~conveyor.config.RuntimeConfig` (``rollout_num_cpus``,
             ``call_timeout_s``).
         logger: The run's :class:`~conveyor.runlog.MetricsLogger` (skip events), or None.
+        faults: Pass the driver's ``CONVEYOR_ACTOR_FAULTS`` on (chaos tests: a restarted actor
+            does not get it, so a fault fires in the first actor only).
 
     Returns:
         ``(actor handle, _Handle)``.
@@ -749,7 +793,7 @@ def start_rollout_actor(runtime_cfg, *, logger=None):
             asked for, and the timeout).
     """
     ray = require_ray()
-    env = _actor_env()
+    env = _actor_env(faults)
     opts: dict[str, Any] = {"num_cpus": runtime_cfg.rollout_num_cpus, "max_concurrency": 16,
                             "name": f"conveyor-rollout-{os.getpid()}-{uuid.uuid4().hex[:8]}"}
     if env:
@@ -763,6 +807,118 @@ def start_rollout_actor(runtime_cfg, *, logger=None):
         raise RolloutActorError(f"{e} (the actor asks for runtime.rollout_num_cpus={runtime_cfg.rollout_num_cpus} "
                                 f"CPUs of the cluster's {ray.cluster_resources().get('CPU', 0):g})") from None
     return actor, handle
+
+
+_NOT_REPEATED_AFTER_RESTART = frozenset({"update_weights", "controller_start"})
+"""Calls not repeated on a restarted actor: it was built from the trainer's current weights and
+starts its controller itself."""
+
+_CUMULATIVE_ENGINE_STATS = frozenset({
+    "busy_seconds", "prefill_seconds", "sample_seconds", "generated_tokens", "prefill_tokens", "reencoded_tokens",
+    "decode_steps", "num_requests", "num_finished", "num_aborted", "num_weight_updates", "weight_load_seconds",
+    "pause_seconds_total"})
+
+
+class _ActorReviver:
+    """Restarts a dead :class:`RolloutActor` (``runtime.max_actor_restarts`` times per run) and
+    continues from the last consistent state (issue 12, section 3, "Faults").
+
+    The state: the controller snapshot the actor returned with the last batch it handed out
+    (:meth:`RolloutActor.next_batch_with_snapshot`; before the first batch: the resume state or
+    a fresh start). It holds the data cursor with the episodes then in flight re-queued first,
+    the buffered groups and the staleness counters, exactly what a checkpoint holds, so the new
+    actor continues as a resume at the trainer's current version would
+    (:meth:`~conveyor.rollout.controller.RolloutController.restore`): every episode in flight at
+    the death or started since the snapshot is generated again (resubmitted) from its sample,
+    nothing handed out is handed out again, nothing buffered is lost. The new engine starts from
+    the trainer's current weights (``ray.put`` once).
+
+    Not restarted: a run whose proximal method tracks partial requests (``partial_sync``,
+    ``dedicated``: their old-log-prob patches delivered after the snapshot would be lost), an
+    actor that dies while it is being set up, and after the controller was stopped (the run is
+    ending).
+
+    Thread-safe: the first caller that sees the death restarts; a call that talked to an actor
+    already replaced just retries.
+    """
+
+    def __init__(self, handle: _Handle, cfg, trainer, train_samples, *, engine_threads: int, logger,
+                 n_too_long: int, state: dict | None):
+        self.h = handle
+        self.cfg = cfg
+        self.trainer = trainer
+        self.train_samples = list(train_samples)
+        self.engine_threads = engine_threads
+        self.logger = logger
+        self.n_too_long = n_too_long
+        self.max_restarts = cfg.runtime.max_actor_restarts
+        self.restarts = 0
+        self.snapshot: dict | None = None if state is None else state["controller"]
+        self.started = False  # the controller was started (a new actor starts its own)
+        self.active = False  # after the setup, until the controller is stopped
+        self.eta: tuple | None = None  # (eta,) once the run's steering changed it
+        self.engine: RayEngine | None = None  # its counters carried over a restart
+        self.lock = threading.RLock()
+
+    def revive(self, generation: int, method: str, why: str) -> bool:
+        """Restart the actor that died under ``generation`` (a no-op returning True when another
+        caller already did).
+
+        Returns:
+            True when a live actor is there now (retry the call), False when the death stands
+            (restarts used up, restarts not allowed now, or the restart itself failed: logged).
+        """
+        with self.lock:
+            if self.h.generation != generation:
+                return True
+            if not self.active or self.restarts >= self.max_restarts:
+                if self.active:
+                    log.error("%s; not restarted: runtime.max_actor_restarts=%d used up", why, self.max_restarts)
+                return False
+            from conveyor.runtime.publish import tracks_partials
+
+            if tracks_partials(self.trainer.proximal):
+                log.error("%s; not restarted: proximal.method=%s keeps old-log-prob patches in the actor",
+                          why, self.trainer.proximal.name)
+                return False
+            self.active = False  # the setup below must not restart recursively
+            t0 = time.perf_counter()
+            inflight = 0 if self.snapshot is None else int(self.snapshot.get("inflight", 0))
+            log.warning("%s; restarting it (%d of runtime.max_actor_restarts=%d) from the state of its last "
+                        "hand-out at trainer version %d", why, self.restarts + 1, self.max_restarts, self.trainer.version)
+            try:
+                self.h.ray.kill(self.h.actor)
+            except Exception:  # already gone
+                pass
+            fresh = None
+            try:
+                actor, fresh = start_rollout_actor(self.cfg.runtime, logger=self.logger, faults=False)
+                weights = self.h.ray.put(self.trainer.weight_update())
+                info = fresh.call("setup", self.cfg, self.train_samples, weights, engine_threads=self.engine_threads,
+                                  track_partials=False, warmup_batches=self.trainer.critic_warmup_done,
+                                  n_too_long=self.n_too_long, controller_state=self.snapshot)
+                if self.eta is not None:
+                    fresh.call("set_eta", self.eta[0])
+                if self.started:
+                    fresh.call("controller_start")
+            except Exception as e:  # the death stands, with why the restart failed
+                log.error("%s; the restart failed: %s", why, e)
+                return False
+            finally:
+                if fresh is not None:
+                    fresh.forward(timeout=10.0)  # the new actor's setup log into train.log
+            if self.engine is not None:
+                self.engine.carry_counters()
+            self.h.actor = actor
+            self.h.dead = None
+            self.h.generation += 1
+            self.restarts += 1
+            self.active = True
+            if self.logger is not None:
+                self.logger.event("actor_restarted", reason=why, restarts=self.restarts, method=method,
+                                  version=self.trainer.version, resubmitted_in_flight=inflight,
+                                  actor_pid=info["pid"], seconds=time.perf_counter() - t0)
+            return True
 
 
 def build_ray_rollout(cfg, trainer, train_samples, *, engine_threads: int, logger, ctx, n_too_long: int = 0,
@@ -809,7 +965,7 @@ def build_ray_rollout(cfg, trainer, train_samples, *, engine_threads: int, logge
             log.warning("closing the rollout actor: %s", e, extra={"console": False})
         handle.forward(timeout=10.0)
         handle.dead = handle.dead or "closed"
-        ray.kill(actor)
+        ray.kill(handle.actor)  # the current one (a restart replaces it)
 
     ctx.stack.callback(close)
     t0 = time.perf_counter()
@@ -827,9 +983,14 @@ def build_ray_rollout(cfg, trainer, train_samples, *, engine_threads: int, logge
     finally:
         handle.forward(timeout=10.0)
     del weights
+    reviver = _ActorReviver(handle, cfg, trainer, train_samples, engine_threads=engine_threads, logger=logger,
+                            n_too_long=n_too_long, state=state)
+    reviver.active = cfg.runtime.max_actor_restarts > 0
+    handle.reviver = reviver
     logger.event("runtime", name="ray", actor_pid=info["pid"], actor_node=info["node"], address=cfg.runtime.address,
                  setup_seconds=time.perf_counter() - t0, cluster_cpus=ray.cluster_resources().get("CPU", 0))
     engine = RayEngine(handle)
+    reviver.engine = engine
     rollout = RayRollout(handle)
     B = cfg.trainer.batch_size * cfg.rollout.group_size
 
