@@ -159,3 +159,12 @@ def test_chaos_quick(tmp_path):
     for part in ("kill -9 x 3", "truncated newest checkpoint", "disk full", "100 injected reward faults", "non-finite"):
         assert part in names, names
     assert all(r["ok"] and not r["problems"] for r in rows)
+
+
+def test_runtime_overhead_benchmark_quick():
+    pytest.importorskip("ray")
+    r = _run("runtime_overhead.py")
+    assert [x["runtime"] for x in r["runs"]] == ["inline", "ray"] and all(x["steps"] == 1 for x in r["runs"])
+    assert r["ray_over_inline"] == pytest.approx(r["s_per_update"]["ray"] / r["s_per_update"]["inline"])
+    t = r["transport"]
+    assert t["message_mb"] > 0 and t["object_store_s"] > 0 and t["disk_s"] > 0
