@@ -120,3 +120,11 @@ def test_none_words_in_overrides_mean_the_literal_none():
     # `run.final_checkpoint=none` parses as null on the command line; it means the word
     assert load_config(None, ["run.final_checkpoint=none"]).run.final_checkpoint == "none"
     assert load_config(None, ["run.final_checkpoint=full"]).run.final_checkpoint == "full"
+
+
+def test_total_steps_zero_is_refused():
+    """trainer.total_steps=0 was accepted: a run that trains nothing (no test or doc gives 0 a
+    meaning; an evaluation alone is `conveyor eval`)."""
+    with pytest.raises(ConfigError, match=r"trainer\.total_steps: Input should be greater than or equal to 1 \(got 0\)"):
+        load_config(None, ["trainer.total_steps=0"])
+    assert load_config(None, ["trainer.total_steps=1"]).trainer.total_steps == 1

@@ -72,3 +72,68 @@ def test_smollm2_loads_from_cache_fast(smollm):
     # load time is measured by benchmarks/model_load.py, not asserted here (noisy machine)
     assert sum(p.numel() for p in lm.model.parameters()) == pytest.approx(134.5e6, rel=0.01)
     assert lm.tokenizer.eos_token == "<|im_end|>"
+
+
+def test_gguf_cache_keeps_one_copy_per_content_and_prunes_stale_ones(monkeypatch, tmp_path):
+    """~/.cache/conveyor/gguf held a 517 MB copy per install of the same GGUF file (3.6 GB seen):
+    it was keyed by path and mtime and never pruned. Now: one copy per content, older copies of
+    the file adopted or deleted, copies no existing file needs deleted."""
+    import hashlib
+    import json
+    import os
+    import shutil
+
+    monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def fake_dequantize(gguf, target, source=None):  # what _dequantize_to_cache writes, in small
+        calls.append(gguf)
+        target.mkdir(parents=True)
+        (target / "config.json").write_text("{}")
+        (target / "source.json").write_text(json.dumps(source))
+
+    monkeypatch.setattr(models, "_dequantize_to_cache", fake_dequantize)
+    root = tmp_path / "cache" / "gguf"
+    old = 1_000_000_000  # a timestamp long past: older than the pruning grace period
+
+    def entry(name):
+        (root / name).mkdir(parents=True)
+        (root / name / "config.json").write_text("{}")
+        os.utime(root / name, (old, old))
+        return root / name
+
+    def age_all():
+        for e in root.iterdir():
+            os.utime(e, (old, old))
+
+    a = tmp_path / "venv1" / "m.gguf"
+    a.parent.mkdir()
+    a.write_bytes(b"gguf v1" * 100)
+    # what an older conveyor left: a copy of this very file, copies from earlier installs of it
+    # (paths gone), a killed write, and a copy of another GGUF file (not ours to judge)
+    st = a.stat()  # the old key: path, size and mtime of the file
+    mine = entry("m-" + hashlib.sha256(f"{a.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16])
+    entry("m-00000000000000aa"), entry("m-00000000000000bb"), entry("m-00000000000000cc.tmp-x1")
+    other = entry("other-00000000000000dd")
+    assert models.resolve_model_dir(str(a)) == mine and not calls  # adopted: nothing redone
+    assert sorted(e.name for e in root.iterdir()) == sorted([mine.name, other.name])
+    # a second install of the same file (another path, another mtime): the same copy
+    b = tmp_path / "venv2" / "m.gguf"
+    b.parent.mkdir()
+    shutil.copy(a, b)
+    os.utime(b, (old + 5, old + 5))
+    assert models.resolve_model_dir(str(b)) == mine and not calls
+    assert set(json.loads((mine / "source.json").read_text())["sources"]) == {str(a), str(b)}
+    # a reinstall over venv1 with the same content (new mtime): still the same copy
+    os.utime(a, (old + 9, old + 9))
+    assert models.resolve_model_dir(str(a)) == mine and not calls
+    # venv1 gets a different file: a new copy; the old one stays while venv2 uses it
+    a.write_bytes(b"gguf v2" * 100)
+    new = models.resolve_model_dir(str(a))
+    assert new != mine and len(calls) == 1 and mine.is_dir()
+    assert models.resolve_model_dir(str(a)) == new and len(calls) == 1  # found again without redoing it
+    # venv2 is deleted: nothing needs the old copy any more
+    shutil.rmtree(b.parent)
+    age_all()
+    assert models.resolve_model_dir(str(a)) == new
+    assert sorted(e.name for e in root.iterdir()) == sorted([new.name, other.name])

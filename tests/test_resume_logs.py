@@ -223,6 +223,8 @@ def test_resume_of_a_finished_run_changes_nothing_and_heldout_settings_are_fixed
     assert done.steps == 2 and (run / "eval_after.json").is_file()
     summary = json.loads((run / "summary.json").read_text())
     assert [s["steps"] for s in summary["segments"]] == [2, 0]
+    # the first process's segment keeps its versions (it lost them: rebuilt from its rows)
+    assert [(s["start_version"], s["end_version"]) for s in summary["segments"]] == [(0, 2), (2, 2)]
     assert 0 <= summary["engine_busy"] <= 1 and 0 <= summary["segments"][1]["engine_busy_seconds"]
     assert summary["segments"][1]["engine_busy_seconds"] <= summary["segments"][1]["wall_seconds"]
     # a different held-out evaluation cannot be compared with eval_before.json
@@ -273,3 +275,24 @@ def test_simulate_calibration_reads_each_step_once(tmp_path):
     c = calibrate(tmp_path)
     assert c.steps == 3
     assert sorted(c.rollout.response_tokens.values) == [21, 22, 23, 30, 30, 30]
+
+
+def test_segment_summary_gives_every_segment_its_versions(tmp_path):
+    """summary.json's segment 0 lost start_version / end_version after a resume: only the
+    current process's segment had them. Earlier segments get them from their rows (superseded
+    ones included: the killed process did reach those versions)."""
+    from conveyor.runlog import segment_summary
+
+    def rows(seg, steps, **extra):
+        return "".join(json.dumps({"step": s, "segment": seg, "time/elapsed_s": 10.0 * s,
+                                   "busy/trainer": 0.5, "busy/engine": 0.5, **extra}) + "\n" for s in steps)
+
+    (tmp_path / "metrics.jsonl").write_text(rows(0, [1, 2]) + rows(1, [3, 4, 5]))
+    (tmp_path / "metrics.superseded.jsonl").write_text(rows(0, [3, 4], superseded={"resume_from_version": 2}))
+    (tmp_path / "critic_warmup.jsonl").write_text(rows(0, [-1, 0]))
+    cur = {"segment": 1, "wall_seconds": 30.0, "trainer_busy_seconds": 15.0, "engine_busy_seconds": 15.0,
+           "start_version": 2, "end_version": 5}
+    segs = segment_summary(tmp_path, cur)["segments"]
+    assert [(s["segment"], s["start_version"], s["end_version"]) for s in segs] == [(0, 0, 4), (1, 2, 5)]
+    assert set(segs[0]) == set(segs[1])
+    assert (segs[0]["steps"], segs[0]["superseded_steps"], segs[0]["wall_seconds"]) == (4, 2, 40.0)

@@ -506,3 +506,88 @@ def test_stop_report_before_the_first_checkpoint_says_resume(tmp_path):
         ctx.close()
     assert "no checkpoint was written" in msg and f"conveyor train --resume {tmp_path}" in msg
     assert "during training" in msg
+
+
+def test_signal_during_the_clean_up_names_itself_and_counts_right(monkeypatch, capsys):
+    """The message of a signal that arrives while the process is already stopping said "third
+    signal" also when it was the second: e.g. a SIGTERM during an evaluation (first signal,
+    outside the training loop), then another one."""
+    import conveyor.shutdown as shutdown
+
+    def exit_now(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(shutdown.os, "_exit", exit_now)
+    said, now = [], [0.0]
+    it = Interrupts(say=said.append, clock=lambda: now[0])
+    with pytest.raises(StopNow):
+        it._handle(signal.SIGTERM, None)  # outside the training loop: now
+    assert "SIGTERM (first signal, outside the training loop)" in said[-1]
+    now[0] = 5.0
+    with pytest.raises(SystemExit):
+        it._handle(signal.SIGTERM, None)
+    err = capsys.readouterr().err
+    assert "SIGTERM (second signal)" in err and "third" not in err
+    # in the training loop: finish the step, then stop now, then at once: the third signal
+    it = Interrupts(say=said.append, clock=lambda: now[0])
+    it.begin_graceful()
+    it._handle(signal.SIGINT, None)
+    assert said[-1].startswith("[yellow]SIGINT: stopping after the current step")
+    with pytest.raises(StopNow):
+        it._handle(signal.SIGTERM, None)
+    assert "SIGTERM (second signal, again)" in said[-1]
+    with pytest.raises(SystemExit):
+        it._handle(signal.SIGINT, None)
+    assert "SIGINT (third signal)" in capsys.readouterr().err
+
+
+def test_one_sigterm_delivered_twice_is_one_request(monkeypatch):
+    """GNU `timeout` sends SIGTERM to the process and then to its process group (the process is
+    in it): the handler often ran twice for one expiry, so a graceful stop became "stop now"
+    (no checkpoint) and, outside the training loop, the clean-up was cut by an exit reported as
+    a "third signal". A SIGTERM repeated within DUPLICATE_SIGTERM_S counts once."""
+    import conveyor.shutdown as shutdown
+
+    monkeypatch.setattr(shutdown.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    said, now = [], [100.0]
+    it = Interrupts(say=said.append, clock=lambda: now[0])
+    stop = it.begin_graceful()
+    it._handle(signal.SIGTERM, None)
+    now[0] += 0.001
+    it._handle(signal.SIGTERM, None)  # the group copy: ignored, the step still finishes
+    assert stop.is_set() and len(said) == 1 and it.received == 1
+    now[0] += 1.0
+    with pytest.raises(StopNow):  # a real second request, a second later
+        it._handle(signal.SIGTERM, None)
+    it = Interrupts(say=said.append, clock=lambda: now[0])
+    with pytest.raises(StopNow):  # outside the loop
+        it._handle(signal.SIGTERM, None)
+    now[0] += 0.001
+    it._handle(signal.SIGTERM, None)  # no exit: the clean-up and its report go on
+    assert it.received == 1
+    with pytest.raises(SystemExit):  # a different signal is never a duplicate
+        it._handle(signal.SIGINT, None)
+
+
+def test_a_taken_run_dir_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """run.dir holding a run (or in use by a running process) was refused only after the model
+    had loaded (a minute for SmolLM2): now before, with nothing written."""
+    import conveyor.train as train_mod
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the run.dir conflict was found")
+
+    monkeypatch.setattr(train_mod, "load_model", no_load)
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    cfg = load_config(None, FAST + [f"run.dir={run}"])
+    with pytest.raises(FileExistsError, match=f"conveyor train --resume {run}"):
+        run_training(cfg)
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    with RunLock(busy):  # a process on it, still in its start-up (no metrics yet)
+        with pytest.raises(RunDirInUseError, match=f"in use by process {os.getpid()}"):
+            run_training(load_config(None, FAST + [f"run.dir={busy}"]))
+    assert sorted(p.name for p in busy.iterdir()) == ["run.lock"]

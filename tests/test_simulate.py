@@ -199,3 +199,52 @@ def test_cli_simulate_modes_sweep_and_calibration(tmp_path):
     assert load_sim_config(w).eta == 4
     r = CliRunner().invoke(app, ["simulate", str(p), "--sweep", "nosuch=1,2"])
     assert r.exit_code == 2 and "nosuch" in r.output
+
+
+def test_work_in_flight_at_the_end_counts_only_up_to_the_end():
+    """A new-user trial printed "R idle -0.02": a decode step was added to the worker's busy time
+    in full when it started, also when the run ended (last publication) in the middle of it.
+    Here the worker is busy from 0 to the end (21 s); episode C's first 8-token step (20-28 s)
+    is cut at 21 s, so the worker is busy exactly 100%, not 28 / 21."""
+    r = simulate(_cfg(4, steps=2, rollout_s=10.0, train_s=1.0))
+    assert r.wall_seconds == pytest.approx(21.0)
+    assert r.rollout_busy == 1.0 and r.summary()["rollout_idle"] == 0.0
+    assert r.trainer_busy == pytest.approx(2 / 21)
+
+
+def test_busy_fractions_are_fractions_on_random_pipelines():
+    import random
+
+    for seed in range(12):
+        rng = random.Random(seed)
+        cfg = SimConfig(
+            eta=rng.choice([0, 1, 2, 4, None]), steps=rng.randint(1, 5), batch_size=rng.randint(1, 4),
+            group_size=rng.randint(1, 4), seed=seed,
+            rollout=RolloutSim(workers=rng.randint(1, 3), max_batch_size=8, decode_base_s=0.01, decode_per_seq_s=0.001,
+                               max_jump_steps=rng.choice([1, 8, 64]), prefill_s_per_token=rng.choice([0.0, 1e-4]),
+                               response_tokens=Dist(kind="lognormal", median=40, sigma=1.0, max=400, integer=True),
+                               env_latency_s=Dist(kind="lognormal", median=0.05, sigma=1.0)),
+            trainer=TrainerSim(step_base_s=0.05, s_per_token=1e-4), sync=SyncSim(seconds=rng.choice([0.0, 0.1])),
+        )
+        cfg.proximal.devices, cfg.proximal.s_per_token = rng.choice([0, 1, 3]), rng.choice([0.0, 1e-3])
+        s = simulate(cfg).summary()
+        for k in ("trainer_busy", "trainer_idle", "rollout_busy", "rollout_idle", "proximal_busy"):
+            assert 0.0 <= s[k] <= 1.0, (seed, k, s[k])
+
+
+def test_cli_simulate_table_is_not_squeezed_when_piped(tmp_path, monkeypatch):
+    """Piped (not a terminal), rich wrapped the table at 80 columns: "one_…", "traj…"."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from conveyor.cli import app
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    p = tmp_path / "sim.yaml"
+    p.write_text(yaml.safe_dump(_cfg(2).model_dump()))
+    r = CliRunner().invoke(app, ["simulate", str(p), "--sweep", "trainer.step_base_s=10,20"])
+    assert r.exit_code == 0, r.output
+    assert "…" not in r.output
+    rows = [line for line in r.output.splitlines() if "one_step" in line]
+    assert len(rows) == 2 and all("trainer.step_base_s=" in line and "traj" not in line for line in rows)
+    assert "traj/s" in r.output and "speed-up over the sync row of the same variant" in r.output

@@ -58,7 +58,44 @@ _EVAL_HELP = {
             f"(default: {_EXPORT}: its rollout.tool; else none)",
     "max_tool_calls": "calculator observations per response at most "
                       f"(default: 4; {_EXPORT}: its rollout.max_tool_calls)",
+    "env": "run an environment's episodes instead of single responses: guess, math_python or "
+           f"package.module:factory (env.name; default: {_EXPORT}: its env; else none); reports turns, "
+           "tool calls and sandbox incidents too",
+    "max_turns": "model turns per episode at most (env.max_turns, default 4)",
+    "max_episode_tokens": "response tokens per episode at most (env.max_episode_tokens, default 512)",
+    "tool_format": "auto, hermes or fenced (env.tool_format, default auto)",
+    "env_option": "KEY=VALUE passed to the environment (env.options), repeatable, e.g. --env-option high=10",
 }
+
+
+def _env_settings(exported: dict | None, flags: dict):
+    """The ``env`` section for ``conveyor eval``: an export's ``env`` (``conveyor.json``) unless
+    ``--env`` names another environment, then the explicit flags on top. None: no environment."""
+    from conveyor.config import ConfigError, EnvConfig, _parse_value
+
+    base: dict = {}
+    if exported and (flags["env"] is None or flags["env"] == exported.get("name")):
+        base = dict(exported)
+    if flags["env"] is not None:
+        base["name"] = flags["env"]
+    if not base or base.get("name") in (None, "none"):
+        if any(flags[k] is not None for k in ("max_turns", "max_episode_tokens", "tool_format")) or flags["env_option"]:
+            _fail("--max-turns, --max-episode-tokens, --tool-format and --env-option need --env")
+        return None
+    for key in ("max_turns", "max_episode_tokens", "tool_format"):
+        if flags[key] is not None:
+            base[key] = flags[key]
+    options = dict(base.get("options") or {})
+    for item in flags["env_option"] or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            _fail(f"--env-option {item!r} must look like KEY=VALUE")
+        options[key.strip()] = _parse_value(value.strip())
+    base["options"] = options
+    try:
+        return EnvConfig.model_validate(base)
+    except Exception as e:  # pydantic's ValidationError: name the flag's key
+        raise ConfigError(f"invalid environment settings: {e}") from e
 
 
 def _eval_settings(model: str, flags: dict) -> tuple[dict, str | None]:
@@ -109,18 +146,39 @@ def eval_cmd(
     no_progress: Annotated[bool, typer.Option("--no-progress")] = False,
     tool: Annotated[str | None, typer.Option(help=_EVAL_HELP["tool"])] = None,
     max_tool_calls: Annotated[int | None, typer.Option(help=_EVAL_HELP["max_tool_calls"])] = None,
+    env: Annotated[str | None, typer.Option(help=_EVAL_HELP["env"])] = None,
+    max_turns: Annotated[int | None, typer.Option(help=_EVAL_HELP["max_turns"])] = None,
+    max_episode_tokens: Annotated[int | None, typer.Option(help=_EVAL_HELP["max_episode_tokens"])] = None,
+    tool_format: Annotated[str | None, typer.Option(help=_EVAL_HELP["tool_format"])] = None,
+    env_option: Annotated[list[str] | None, typer.Option(help=_EVAL_HELP["env_option"])] = None,
 ) -> None:
-    """Evaluate a model: pass@1, pass@k (Chen et al. 2021), avg@k, format rate, length, tokens/s.
+    """Evaluate a model: pass@1, pass@k (Chen et al. 2021), avg@k, format rate, length, tokens/s;
+    with --env, an environment's episodes (also turns, tool calls, sandbox incidents).
 
     A run's export (RUN/export) carries the settings of the run's held-out evaluation in
-    conveyor.json (tool, instruction, held-out data set, greedy decoding, max new tokens): they
-    are the defaults, so the run's figure is reproduced; explicit flags override them.
+    conveyor.json (tool, instruction, held-out data set, greedy decoding, max new tokens, the
+    environment): they are the defaults, so the run's figure is reproduced; explicit flags
+    override them.
     """
+    from conveyor.config import ConfigError
     from conveyor.data import DatasetError, load_dataset
-    from conveyor.eval import evaluate
+    from conveyor.eval import evaluate, load_export_settings
     from conveyor.models import ModelLoadError, load_model
     from conveyor.rollout.engine import InferenceEngine, SamplingParams
 
+    try:
+        exported_env = (load_export_settings(model) or {}).get("env")
+        env_cfg = _env_settings(exported_env, {"env": env, "max_turns": max_turns,
+                                               "max_episode_tokens": max_episode_tokens,
+                                               "tool_format": tool_format, "env_option": env_option})
+    except (ValueError, ConfigError) as e:
+        _fail(str(e))
+    if env_cfg is not None and dataset is None and not exported_env:
+        from conveyor.envs.registry import ENV_DATA
+
+        if env_cfg.name in ENV_DATA:  # e.g. guess: its own games, not the maths default
+            dataset = ENV_DATA[env_cfg.name][1]
+    tool_flag = tool
     st, settings_from = _eval_settings(model, {
         "dataset": dataset, "n": n, "temperature": temperature, "top_p": top_p,
         "max_new_tokens": max_new_tokens, "instruction": instruction, "split_seed": split_seed,
@@ -128,10 +186,16 @@ def eval_cmd(
     dataset, n, temperature, top_p = st["dataset"], st["n"], st["temperature"], st["top_p"]
     max_new_tokens, instruction = st["max_new_tokens"], st["instruction"]
     split_seed, tool, max_tool_calls = st["split_seed"], st["tool"], st["max_tool_calls"]
+    if env_cfg is not None and tool != "none":
+        if tool_flag not in (None, "none"):
+            _fail(f"--tool {tool} is the single-turn calculator; with --env {env_cfg.name} the environment brings "
+                  "its own tools: drop --tool (or --tool none)")
+        tool = "none"  # an export's rollout.tool default belongs to single responses
     if settings_from is not None:
         console.print(f"settings from {settings_from} (flags override): dataset {dataset}"
                       f"{'' if n is None else f' (first {n})'}, tool {tool}, "
-                      f"max_new_tokens {max_new_tokens}, temperature {temperature}", soft_wrap=True)
+                      f"max_new_tokens {max_new_tokens}, temperature {temperature}"
+                      f"{'' if env_cfg is None else f', env {env_cfg.name}'}", soft_wrap=True)
     if k < 1 or (samples is not None and samples < k):
         _fail(f"need 1 <= --k <= --samples; got --k {k}, --samples {samples}")
     if batch_size < 1:
@@ -151,6 +215,14 @@ def eval_cmd(
     except ModelLoadError as e:
         _fail(str(e))
     console.print(f"model {model} loaded in {lm.load_seconds:.1f} s; {len(data)} problems of {dataset}")
+    if env_cfg is not None:
+        from conveyor.envs.registry import check_env
+
+        try:
+            for note in check_env(env_cfg, lm.tokenizer):
+                console.print(note, soft_wrap=True)
+        except (ValueError, TypeError) as e:
+            _fail(str(e))
     engine = InferenceEngine(lm.model, lm.tokenizer, max_batch_size=batch_size, seed=seed)
     engine.start()
     try:
@@ -158,14 +230,15 @@ def eval_cmd(
             engine, lm.tokenizer, data, k=k, samples_per_problem=samples, temperature=temperature, top_p=top_p,
             max_new_tokens=max_new_tokens, instruction=instruction, dataset=dataset, model_name=model,
             progress=not no_progress and console.is_terminal, tool=tool,
-            max_tool_calls=max_tool_calls,
+            max_tool_calls=max_tool_calls, env=env_cfg,
         )
     except ValueError as e:
         _fail(str(e))
     finally:
         engine.stop()
     res.settings_from, res.split_seed = settings_from, split_seed
-    out = output or Path("runs") / "eval" / f"{_slug(model)}__{_slug(dataset)}.json"
+    env_part = "" if env_cfg is None else f"__env_{_slug(env_cfg.name)}"
+    out = output or Path("runs") / "eval" / f"{_slug(model)}__{_slug(dataset)}{env_part}.json"
     res.write_json(out)
     summ = res.summary()
     console.print_json(json.dumps(summ))
@@ -391,6 +464,9 @@ def simulate_cmd(
     else:
         variants.append(("", base))
     table = Table(title="conveyor simulate")
+    # piped or redirected, rich would wrap the table at 80 columns (squeezing every cell to
+    # "one_…"): print it at its natural width unless COLUMNS says otherwise
+    out = console if console.is_terminal or os.environ.get("COLUMNS") else Console(width=200)
     for col in ("variant", "mode", "eta", "wall s", "s/step", "vs sync", "T idle", "R idle", "stale", "traj/s"):
         table.add_column(col)
     results = []
@@ -406,9 +482,9 @@ def simulate_cmd(
             table.add_row(label, m, str(c.effective_eta), f"{r['wall_seconds']:.1f}", f"{r['mean_step_seconds']:.2f}", speed,
                           f"{r['trainer_idle']:.2f}", f"{r['rollout_idle']:.2f}",
                           f"{r['staleness_mean']:.2f}/{r['staleness_max']}", f"{r['trajectories_per_s']:.2f}")
-    console.print(table)
-    console.print("T idle / R idle: trainer / rollout idle fractions; stale: staleness mean/max (versions); "
-                  "vs sync: speed-up over the sync row of the same variant")
+    out.print(table)
+    out.print("T idle / R idle: trainer / rollout idle fractions (0-1); stale: staleness mean/max (versions); "
+              "vs sync: speed-up over the sync row of the same variant", soft_wrap=True)
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(results, indent=2))

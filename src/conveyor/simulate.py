@@ -37,6 +37,7 @@ import random
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
@@ -188,7 +189,9 @@ class SimResult:
         wall_seconds: Simulated time until the last update's weights are published (s).
         step_seconds: Wall-clock of each update (s), from the previous publication.
         trainer_busy / rollout_busy: Busy fractions of ``wall_seconds`` (rollout: mean over
-            workers of time spent in prefill / decode).
+            workers of time spent in prefill / decode), in [0, 1] by construction
+            (:class:`_BusyClock`: work still running when the last update is published counts
+            only up to that moment).
         staleness: Histogram ``{version lag: trajectories}`` of trained trajectories.
         dropped_stale: Trajectories dropped as older than eta.
         trajectories_per_s / tokens_per_s: Trained trajectories and tokens per second.
@@ -244,13 +247,62 @@ class _Traj:
     oldest_version: int
 
 
+class _BusyClock:
+    """Busy time of a station (one or more servers), on the simulation clock.
+
+    A busy stretch is recorded by its start and end instants (:meth:`begin` / :meth:`end`, both
+    ``env.now``), never as the planned duration added up front: a decode step, prefill or
+    old-logit pass still running when the simulation stops (at the last publication) counts only
+    up to that moment. The busy seconds are then a sum of disjoint stretches inside
+    ``[0, wall]`` per server, and :meth:`fraction` sums the end points with exact rational
+    arithmetic (``fractions.Fraction``; floats are exact rationals), so ``busy <= servers * wall``
+    holds exactly and the fraction is in ``[0, 1]`` without clamping (the division, rounded to the
+    nearest float, cannot exceed 1.0). Back-to-back stretches are merged (``[a, b] + [b, c] =
+    [a, c]``), so a continuously busy worker keeps few numbers.
+    """
+
+    def __init__(self, env):
+        self.env = env
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.open: dict[int, float] = {}  # stretches in progress: key -> start
+        self._next = 0
+
+    def begin(self) -> int:
+        """Start a busy stretch now; returns its key for :meth:`end`."""
+        key, self._next = self._next, self._next + 1
+        self.open[key] = self.env.now
+        return key
+
+    def end(self, key: int) -> None:
+        """End the stretch ``key`` now."""
+        start, now = self.open.pop(key), self.env.now
+        if self.ends and self.ends[-1] == start:
+            self.ends[-1] = now  # contiguous with the previous stretch: one stretch
+        else:
+            self.starts.append(start)
+            self.ends.append(now)
+
+    def seconds(self) -> Fraction:
+        """Exact busy seconds up to now (stretches in progress cut at now)."""
+        now = Fraction(self.env.now)
+        ends = sum(map(Fraction, self.ends), Fraction(0)) + now * len(self.open)
+        return ends - sum(map(Fraction, self.starts), Fraction(0)) - sum(map(Fraction, self.open.values()), Fraction(0))
+
+    def fraction(self, wall: float, servers: int = 1) -> float:
+        """Busy share of ``servers * wall`` seconds, in [0, 1] (0 when ``wall`` is 0)."""
+        if wall <= 0 or servers <= 0:
+            return 0.0
+        return float(self.seconds() / (Fraction(wall) * servers))
+
+
 class _Worker:
     def __init__(self, env, cfg: RolloutSim, sim: _Sim):
         self.env, self.cfg, self.sim = env, cfg, sim
         self.active: list[_Req] = []
         self.queue: list[_Req] = []
         self.wake = env.event()
-        self.busy = 0.0
+        self.busy = _BusyClock(env)
         self.proc = env.process(self.run())
 
     def load(self) -> int:
@@ -282,16 +334,18 @@ class _Worker:
                 continue
             if prefill_tokens:
                 dt = prefill_tokens * cfg.prefill_s_per_token
-                self.busy += dt
+                k = self.busy.begin()
                 yield env.timeout(dt)
+                self.busy.end(k)
             for r in self.active:
                 if r.first_version is None:
                     r.first_version = self.sim.version
             b = len(self.active)
             n = min(min(r.remaining for r in self.active), cfg.max_jump_steps)
             dt = n * (cfg.decode_base_s + cfg.decode_per_seq_s * b)
-            self.busy += dt
+            k = self.busy.begin()
             yield env.timeout(dt)
+            self.busy.end(k)
             still = []
             for r in self.active:
                 r.remaining -= n
@@ -321,8 +375,8 @@ class _Sim:
         self.controller_event = self.env.event()
         self.workers = [_Worker(self.env, cfg.rollout, self) for _ in range(cfg.rollout.workers)]
         self.proximal = simpy.Resource(self.env, capacity=cfg.proximal.devices) if cfg.proximal.devices else None
-        self.proximal_busy = 0.0
-        self.trainer_busy = 0.0
+        self.proximal_busy = _BusyClock(self.env)
+        self.trainer_busy = _BusyClock(self.env)
         self.staleness: Counter[int] = Counter()
         self.dropped = 0
         self.step_seconds: list[float] = []
@@ -370,8 +424,9 @@ class _Sim:
             with self.proximal.request() as slot:
                 yield slot
                 dt = self.cfg.proximal.s_per_token * t["tokens"]
-                self.proximal_busy += dt
+                k = self.proximal_busy.begin()
                 yield self.env.timeout(dt)
+                self.proximal_busy.end(k)
 
         for _turn in range(cfg.turns):
             # the group's responses are generated concurrently, then the episode waits once on
@@ -416,14 +471,14 @@ class _Sim:
                 dt += cfg.proximal.s_per_token * tokens / cfg.trainer.devices
             if self.eta == 0:
                 dt /= cfg.trainer.sync_mode_speedup
-            self.trainer_busy += dt
+            k = self.trainer_busy.begin()
             yield self.env.timeout(dt)
-            if cfg.sync.seconds > 0:
+            if cfg.sync.seconds > 0:  # publishing the weights keeps the trainer busy too
                 self.paused = self.env.event()
                 yield self.env.timeout(cfg.sync.seconds)
-                self.trainer_busy += cfg.sync.seconds
                 ev, self.paused = self.paused, None
                 ev.succeed()
+            self.trainer_busy.end(k)
             self.version += 1
             self.trained_tokens += tokens
             if cfg.sync.reencode:
@@ -441,16 +496,17 @@ class _Sim:
         self.env.run(until=self.finished)
         wall = self.env.now
         n = self.cfg.steps * self.B
+        rollout = sum((w.busy.seconds() for w in self.workers), Fraction(0))
         return SimResult(
             wall_seconds=wall,
             step_seconds=self.step_seconds,
-            trainer_busy=self.trainer_busy / wall if wall else 0.0,
-            rollout_busy=(sum(w.busy for w in self.workers) / len(self.workers) / wall) if wall else 0.0,
+            trainer_busy=self.trainer_busy.fraction(wall),
+            rollout_busy=float(rollout / (Fraction(wall) * len(self.workers))) if wall else 0.0,
             staleness=dict(self.staleness),
             dropped_stale=self.dropped,
             trajectories_per_s=n / wall if wall else 0.0,
             tokens_per_s=self.trained_tokens / wall if wall else 0.0,
-            proximal_busy=(self.proximal_busy / (self.cfg.proximal.devices * wall)) if self.proximal and wall else 0.0,
+            proximal_busy=self.proximal_busy.fraction(wall, self.cfg.proximal.devices) if self.proximal else 0.0,
         )
 
 

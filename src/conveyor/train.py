@@ -41,6 +41,7 @@ from conveyor.rundir import (
     RunContext,
     TrainResult,
     announce,
+    check_new_run_dir,
     check_resume_compatible,
     finished_result,
     preflight_samples,
@@ -95,8 +96,7 @@ def _make_run_dir(cfg: TrainConfig) -> Path:
         p = Path(cfg.run.dir)
     else:
         p = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    if (p / "metrics.jsonl").exists() or _latest_checkpoint(p) is not None:
-        raise FileExistsError(f"run directory {p} already holds a run: use `conveyor train --resume {p}` or another run.dir")
+    check_new_run_dir(p)  # checked before the model load too (_start_point); a process may have started since
     return make_run_dir(p)  # RunFileError (clear message) when it cannot be created
 
 
@@ -159,8 +159,9 @@ class _Start:
 def _start_point(cfg: TrainConfig, resume_dir, console, ctx: RunContext) -> _Start | TrainResult:
     """The resume target (locked) or a fresh start; a finished run's :class:`TrainResult`."""
     if resume_dir is None:
-        if cfg.run.dir:
-            check_run_dir(cfg.run.dir)  # a bad run.dir fails now, not after loading the model
+        if cfg.run.dir:  # a bad or taken run.dir fails now, not after loading the model
+            check_run_dir(cfg.run.dir)
+            check_new_run_dir(Path(cfg.run.dir))  # a run in it already, or a process using it
         return _Start()
     run_dir = Path(resume_dir)
     if not run_dir.is_dir():

@@ -9,6 +9,8 @@ A *spec* names a data set; it is what a config file or the command line passes a
     <path ending in .jsonl/.json/.parquet>[?...]   same as file:<path>
     hf:<directory>[:<split>][?question=F&answer=F&split=train|heldout]
                                         Hugging Face dataset on disk (read offline)
+    guess[:train|:heldout][?size=N&high=H&seed=S]
+                                        guess-the-number games (env.name=guess)
 
 Vendored sets (files under ``conveyor/data/files``, described in its README.md):
 
@@ -26,6 +28,8 @@ svamp               1000   ``Body + " " + Question`` (Body ends with ".", added 
                            / ``Answer`` formatted by format_number
 aime24              30     ``problem`` / ``answer`` (leading zeros dropped: "025" -> "25")
 amc23               40     ``question`` / ``answer`` formatted by format_number
+styles              100    ``prompt`` / ``""`` (no reference: writing prompts for the preference-
+                           shift task, judged by :mod:`conveyor.rewards.styles`)
 ==================  =====  ====================================================================
 
 Splits. gsm8k has its own train/test files. Every other vendored set (and any ``file:`` or
@@ -72,6 +76,12 @@ on top of the chosen split. Nothing is ever downloaded: the loader runs with
 ``HF_DATASETS_OFFLINE=1`` / ``HF_HUB_OFFLINE=1`` and a path that does not exist locally (e.g. a Hub
 id such as ``HuggingFaceH4/MATH-500``) is a :class:`DatasetError` that says how to save the dataset first.
 
+Guess-the-number (``guess``): ``size`` games (default 200) whose secret, in ``answer``, is drawn
+uniformly from ``[1, high]`` (default 100) by ``random.Random(seed)`` (default 0;
+:func:`conveyor.envs.guess.guess_samples`); ``guess:heldout`` uses ``seed +
+RG_HELDOUT_SEED_OFFSET``. The question states the range; ``metadata["high"]`` carries it to the
+environment (:class:`conveyor.envs.guess.GuessNumberEnv`). No instruction is appended.
+
 Ids. ``Sample.id = f"{spec_without_query}/{row}"`` with ``row`` the 0-based position of the row in
 its source file (JSONL: line number - 1, so ids do not move when a malformed row is skipped);
 ``mawps:all`` ids name the subset: ``"mawps:all/singleop/17"``. ``Sample.dataset`` is the spec as
@@ -107,6 +117,7 @@ __all__ = [
     "RG_DEFAULT_SEED",
     "RG_DEFAULT_SIZE",
     "RG_HELDOUT_SEED_OFFSET",
+    "GUESS_DEFAULT_SIZE",
     "INSTRUCTION_MATH",
     "INSTRUCTION_NUMBER",
     "INSTRUCTION_TEXT",
@@ -193,6 +204,11 @@ INSTRUCTION_TEXT: str = "Give the final answer after 'Answer:', in the form the 
 """Default instruction of reasoning-gym tasks: answers may be words, lists, letters or numbers,
 in the format the task's question states."""
 
+INSTRUCTION_STYLES: str = "Answer in two or three sentences."
+"""Default instruction of the ``styles`` writing prompts (the preference-shift task): a length,
+never the target style, which the policy must learn from the judge's 0/1 reward
+(:mod:`conveyor.rewards.styles`)."""
+
 _NUMBER_SOURCES = ("gsm8k", "mawps", "svamp", "aime24", "amc23")
 
 
@@ -207,13 +223,14 @@ class SourceFormat:
         instruction: The default instruction appended to each question (``data.instruction``
             when the config does not set one).
         scorer: ``"math"`` (:func:`conveyor.rewards.is_correct`, the grading policy of
-            :mod:`conveyor.rewards.math`) or ``"reasoning-gym"`` (the task's
-            ``score_answer``, applied to the marks of the response).
+            :mod:`conveyor.rewards.math`), ``"reasoning-gym"`` (the task's
+            ``score_answer``, applied to the marks of the response) or ``"style"`` (no answer:
+            the style judge of :mod:`conveyor.rewards.styles`, ``reward.fn=style``).
     """
 
     answer_kind: AnswerKind
     instruction: str
-    scorer: Literal["math", "reasoning-gym"]
+    scorer: Literal["math", "reasoning-gym", "style"]
 
 
 def source_format(spec: str) -> SourceFormat:
@@ -226,8 +243,11 @@ def source_format(spec: str) -> SourceFormat:
     amc23 (any split)                             after 'Answer:'.")
     ``rg:<task>``                     text        :data:`INSTRUCTION_TEXT` (no "as a number":
                                                   reasoning-gym answers are often words)
+    ``styles`` (any split)            text        :data:`INSTRUCTION_STYLES` (writing prompts,
+                                                  no answer; scorer ``style``)
     ``file:`` / a data file path /    math        :data:`INSTRUCTION_MATH`
     ``hf:``
+    ``guess`` (any split)             number      none (``""``: the game explains itself)
     anything else                     math        :data:`INSTRUCTION_MATH`
     ================================  ==========  ============================================
 
@@ -249,6 +269,10 @@ def source_format(spec: str) -> SourceFormat:
     base = spec.strip().partition("?")[0]
     if base.startswith("rg:"):
         return SourceFormat("text", INSTRUCTION_TEXT, "reasoning-gym")
+    if base.split(":", 1)[0] == "styles":
+        return SourceFormat("text", INSTRUCTION_STYLES, "style")
+    if base.split(":", 1)[0] == "guess":  # the environment explains the game: no instruction
+        return SourceFormat("number", "", "math")
     if base.split(":", 1)[0] in _NUMBER_SOURCES:
         return SourceFormat("number", INSTRUCTION_NUMBER, "math")
     return SourceFormat("math", INSTRUCTION_MATH, "math")
@@ -484,6 +508,12 @@ def _map_amc23(row: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
     )
 
 
+def _map_styles(row: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    """A writing prompt of ``styles/prompts.jsonl``: question = ``prompt``, answer = ``""`` (the
+    reward is the style judge's verdict, :mod:`conveyor.rewards.styles`, not a reference)."""
+    return _question_text(_get(row, "prompt"), "prompt"), "", {}
+
+
 @dataclass(frozen=True)
 class _Builtin:
     """A vendored set: its files (relative to DATA_DIR, with a subset label) and row mapper."""
@@ -507,6 +537,7 @@ _BUILTINS: dict[str, _Builtin] = {
     "svamp": _Builtin((("", "svamp/test.jsonl"),), _map_svamp),
     "aime24": _Builtin((("", "aime24/test.jsonl"),), _map_aime24),
     "amc23": _Builtin((("", "amc23/test.jsonl"),), _map_amc23),
+    "styles": _Builtin((("", "styles/prompts.jsonl"),), _map_styles),
 }
 
 
@@ -611,7 +642,7 @@ def _unknown_spec(spec: str) -> DatasetError:
         f"unknown dataset spec {spec!r}.{hint} Valid specs: {', '.join(valid)} "
         f"(each but gsm8k also with :train or :heldout), rg:<reasoning-gym task>[?size=N&seed=S], "
         f"file:<path.jsonl|.json|.parquet>[?question=F&answer=F], "
-        f"hf:<dataset directory>[:split][?question=F&answer=F]."
+        f"hf:<dataset directory>[:split][?question=F&answer=F], guess[:train|:heldout][?size=N&high=H&seed=S]."
     )
 
 
@@ -986,6 +1017,34 @@ def _load_rg(
     return items
 
 
+GUESS_DEFAULT_SIZE: int = 200
+"""Default number of guess-the-number games of a ``guess`` spec."""
+
+
+def _load_guess(spec: str, base: str, query: str) -> list[_Item]:
+    """``guess[:train|:heldout][?size=N&high=H&seed=S]`` (module docstring)."""
+    from conveyor.envs.guess import guess_samples
+
+    name, part = _split_part(base)
+    if name != "guess":
+        raise _unknown_spec(spec)
+    options: dict[str, Any] = {k: _parse_value(v) for k, v in _parse_query(spec, query).items()}
+    unknown = sorted(set(options) - {"size", "high", "seed"})
+    if unknown:
+        raise DatasetError(f"dataset spec {spec!r}: unknown option(s) {', '.join(unknown)}; valid: size, high, seed")
+    size = options.get("size", GUESS_DEFAULT_SIZE)
+    high = options.get("high", 100)
+    seed = options.get("seed", 0)
+    for key, value, low in (("size", size, 1), ("high", high, 1), ("seed", seed, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise DatasetError(f"dataset spec {spec!r}: option {key!r} must be an integer >= {low}, got {value!r}")
+    if part == "heldout":
+        seed += RG_HELDOUT_SEED_OFFSET
+    prefix = spec.split("?", 1)[0]
+    return [_Item(f"{prefix}/{i}", Sample(f"{prefix}/{i}", s.question, s.answer, spec, {"high": high, "row": i}))
+            for i, s in enumerate(guess_samples(size, high=high, seed=seed))]
+
+
 # --------------------------------------------------------------------------------------------
 # Public entry points
 
@@ -1044,6 +1103,8 @@ def load_dataset_report(
     skipped: list[tuple[int, str]] = []
     if is_rg:
         items, part = _load_rg(spec, base, query, rg_size, rg_seed, rg_config), None
+    elif base.split(":", 1)[0] == "guess":  # its :heldout is its own seed, not a split
+        items, part = _load_guess(spec, base, query), None
     elif base.startswith("file:"):
         items, part = _load_file(spec, base[len("file:") :], query, skip_malformed, skipped)
     elif base.startswith("hf:"):

@@ -16,6 +16,13 @@ Modules:
   temporary directory, read-only system files, CPU / wall / memory / process / file / output
   limits) and :class:`~conveyor.envs.sandbox.PythonTool`, the tool built on it, which counts
   contained incidents per kind.
+- ``tool_calls``: how a turn calls a tool (the Hermes / Qwen ``<tool_call>`` JSON format, the
+  fenced ```` ```python ```` fallback for chat templates without tools), pure parsing
+  functions and :class:`~conveyor.envs.tool_calls.ToolCallFormat`.
+- ``math_python``: maths with the sandboxed python tool, the final answer graded in the reward
+  service (SAO's setting).
+- ``registry``: environments by ``env.name`` (``guess``, ``math_python``,
+  ``package.module:factory``), the per-episode factory and the start-up check.
 
 Import from the submodules directly (this package deliberately re-exports nothing).
 """

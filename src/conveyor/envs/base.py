@@ -7,7 +7,20 @@ An :class:`Environment` is a per-episode object (a factory makes one per episode
     result = await env.step(action_text)         # StepResult(observation, reward, done, info)
 
 Both are async, so a slow environment (a sandbox, a web call) overlaps with other episodes on the
-controller's event loop. The agent workflow (:mod:`conveyor.rollout.agent`) keeps the tokens the
+controller's event loop.
+
+Optional attributes the agent workflow reads when an environment has them (tool-calling
+environments such as :class:`~conveyor.envs.math_python.MathPythonEnv` set them from their
+:class:`~conveyor.envs.tool_calls.ToolCallFormat`):
+
+* ``stop``: stop strings that end a model turn (e.g. ``("</tool_call>",)``), added to the
+  sampling parameters' own;
+* ``observation_role``: the chat role of observations (default ``"user"``; ``"tool"`` for
+  templates that render tool results);
+* ``tools``: tool schemas (OpenAI function-tool shape) passed to the chat template for the
+  first prompt (``apply_chat_template(..., tools=...)``), or None;
+* ``episode_stats()``: per-episode counters (e.g. tool calls, sandbox incidents), copied into
+  ``trajectory.metadata["env_stats"]`` when the episode ends. The agent workflow (:mod:`conveyor.rollout.agent`) keeps the tokens the
 model generated exactly and appends each observation once, encoded with :func:`turn_ids`, so the
 history is never re-tokenised (re-tokenising a decoded conversation can change the tokens that
 are trained on, which makes the importance ratios wrong).
@@ -69,9 +82,17 @@ def _render(tokenizer, messages: list[dict], gen: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
 
 
-def first_prompt_ids(tokenizer, content: str, system: str | None = None) -> list[int]:
+def first_prompt_ids(tokenizer, content: str, system: str | None = None, *,
+                     tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of the first user turn (and an optional system message), generation prompt
     appended: the prompt of an agent episode.
+
+    Args:
+        tokenizer: The policy's tokenizer (chat template).
+        content: The first user message.
+        system: An optional system message.
+        tools: Tool schemas for templates that render them (``apply_chat_template(...,
+            tools=tools)``; Qwen-style templates put them in the system prompt); None: none.
 
     Raises:
         ValueError: the tokenizer has no chat template.
@@ -79,7 +100,8 @@ def first_prompt_ids(tokenizer, content: str, system: str | None = None) -> list
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat_template; agent episodes need one")
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
-    out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    kwargs = {"tools": tools} if tools else {}
+    out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, **kwargs)
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return list(out)

@@ -55,12 +55,20 @@ class GuessNumberEnv:
         return int(hashlib.sha256(sample.id.encode()).hexdigest(), 16) % self.high + 1
 
     async def reset(self, sample: Sample) -> str:
+        """Start a game: the secret from the sample (:meth:`secret_for`; a ``guess`` sample's
+        ``metadata["high"]`` sets the range), the first message its question when it is a
+        ``guess`` sample (``sample.dataset`` starts with ``guess``), else the game's own text
+        (a sample of another data set only seeds the secret)."""
+        if str(sample.dataset).startswith("guess") and isinstance(sample.metadata.get("high"), int):
+            self.high = max(1, sample.metadata["high"])
         self.secret = self.secret_for(sample)
         self.guesses = []
-        return (sample.question or f"I am thinking of an integer between 1 and {self.high}. Guess it: answer with "
-                "one number per turn; I will say higher or lower.")
+        own = str(sample.dataset).startswith("guess") and sample.question
+        return (sample.question if own else f"I am thinking of an integer between 1 and {self.high}. Guess it: "
+                "answer with one number per turn; I will say higher or lower.")
 
     async def step(self, action: str) -> StepResult:
+        """Read the turn's last integer as the guess and answer (module docstring)."""
         found = _INT.findall(action)
         if not found:
             done = len(self.guesses) + 1 >= self.max_guesses

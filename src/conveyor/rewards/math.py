@@ -123,6 +123,7 @@ from typing import Any, Literal
 import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+from conveyor.rewards.styles import style_reward
 from conveyor.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -1199,13 +1200,15 @@ BUILTIN_REWARD_FNS: dict[str, RewardFn] = {
     "math": math_reward,
     "correctness": correctness_reward,
     "format": format_reward,
+    # the preference-shift task's style judge (conveyor.rewards.styles; its model loads lazily)
+    "style": style_reward,
 }
 
 
 def load_reward_fn(path: str) -> RewardFn:
     """Resolve a reward function by name or import path.
 
-    Accepted forms: a built-in name (``"math"``, ``"correctness"``, ``"format"``, see
+    Accepted forms: a built-in name (``"math"``, ``"correctness"``, ``"format"``, ``"style"``, see
     :data:`BUILTIN_REWARD_FNS`), ``"package.module:function"`` (the part after the colon may
     be dotted, e.g. ``"pkg.mod:Class.method"``) or ``"package.module.function"``.
 

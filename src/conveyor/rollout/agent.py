@@ -16,9 +16,21 @@ environment answers:
   until the last turn.
 
 Limits: ``max_turns`` model turns and ``max_total_tokens`` response tokens (actions and
-observations); a turn cut by ``params.max_new_tokens`` still gets the environment's answer (the
-template's end-of-turn text is then part of the observation tokens), a turn that exhausts the
-episode's token budget ends the episode (finish reason ``"length"``).
+observations); a turn cut by ``params.max_new_tokens`` or ended by one of the environment's stop
+strings (e.g. ``</tool_call>``) still gets the environment's answer (the template's end-of-turn
+text is then part of the observation tokens: a turn counts as ended by the model only when its
+last token is a special token such as ``<|im_end|>``), a turn that exhausts the episode's token
+budget ends the episode (finish reason ``"length"``).
+
+What the environment may add (optional attributes, :mod:`conveyor.envs.base`): stop strings
+(``env.stop``), the observation role (``env.observation_role``), tool schemas for the first
+prompt's chat template (``env.tools``) and per-episode counters (``env.episode_stats()``).
+
+Trajectory metadata: ``turns`` (model turns), ``tool_calls`` (observations appended),
+``env_done`` (the environment ended the episode; False: a limit cut it), ``env_info`` (the
+last step's ``info``), ``env_stats`` (``episode_stats()``, when the environment has it), and,
+lifted from the last ``info`` for the run's metrics, ``format_ok``, ``reward_failed`` and
+``reward_error``.
 The episode's trajectories go to the controller like any group: the staleness unit is the
 episode's responses, whatever their number of turns.
 """
@@ -62,6 +74,10 @@ class AgentWorkflow:
         self.tokenizer, self.make_env, self.params = tokenizer, make_env, params
         self.group_size, self.max_turns, self.max_total_tokens = group_size, max_turns, max_total_tokens
         self.system = system
+        self._special_ids = set(getattr(tokenizer, "all_special_ids", None) or ())
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is not None:
+            self._special_ids.add(eos)
 
     async def run_episode(self, engine, sample: Sample) -> list[Trajectory] | None:
         """``group_size`` multi-turn responses to ``sample``; None when the engine stopped
@@ -79,14 +95,20 @@ class AgentWorkflow:
     async def _one(self, engine, sample: Sample):
         env = self.make_env()
         first = await env.reset(sample)
-        out = GenerationOutput(prompt_ids=first_prompt_ids(self.tokenizer, first, self.system), action_mask=[])
+        tools = getattr(env, "tools", None)
+        role = getattr(env, "observation_role", None) or "user"
+        stop = tuple(getattr(env, "stop", None) or ())
+        base = replace(self.params, stop=tuple(self.params.stop) + stop) if stop else self.params
+        out = GenerationOutput(prompt_ids=first_prompt_ids(self.tokenizer, first, self.system, tools=tools),
+                               action_mask=[])
         turns: list[tuple[int, float]] = []
         info: dict = {}
+        done = False
         for _ in range(self.max_turns):
             budget = self.max_total_tokens - len(out.token_ids)
             if budget <= 0:
                 break
-            params = replace(self.params, max_new_tokens=min(self.params.max_new_tokens, budget))
+            params = replace(base, max_new_tokens=min(base.max_new_tokens, budget))
             seg = await engine.generate(out.prompt_ids + out.token_ids, params)
             if seg.finish_reason == "abort":
                 return None
@@ -94,21 +116,38 @@ class AgentWorkflow:
             action = self.tokenizer.decode(seg.token_ids, skip_special_tokens=True)
             res = await env.step(action)
             info = dict(res.info)
+            done = bool(res.done)
             if seg.token_ids:
                 turns.append((len(out.token_ids) - 1, float(res.reward)))
             elif turns:  # an empty turn: its reward joins the previous turn's token
                 k, r = turns[-1]
                 turns[-1] = (k, r + float(res.reward))
             if res.done or res.observation is None or len(out.token_ids) >= self.max_total_tokens:
+                done = done or res.observation is None
                 break
-            obs = turn_ids(self.tokenizer, res.observation, after_eos=seg.finish_reason == "stop")
+            # the model ended its turn itself (an end-of-turn special token), or a stop string /
+            # the token limit cut it: then the template's end-of-turn text goes in front
+            ended = seg.finish_reason == "stop" and bool(seg.token_ids) and seg.token_ids[-1] in self._special_ids
+            obs = turn_ids(self.tokenizer, res.observation, role=role, after_eos=ended)
             if len(obs) > self.max_total_tokens - len(out.token_ids):
                 break  # the observation does not fit: the episode ends here
             out = out.observe(obs, out.versions[-1] if out.versions else engine.version)
-        return out, turns, info
+        stats_fn = getattr(env, "episode_stats", None)
+        stats = stats_fn() if callable(stats_fn) else None
+        return out, turns, info, done, stats
 
-    def _trajectory(self, sample: Sample, group_id: str, out: GenerationOutput, turns, info) -> Trajectory:
+    def _trajectory(self, sample: Sample, group_id: str, out: GenerationOutput, turns, info, done: bool,
+                    stats: dict | None) -> Trajectory:
         correct = info.get("correct")
+        fmt = info.get("format_ok")
+        metadata = {"turns": len(turns), "tool_calls": out.tool_calls, "env_done": done, "env_info": info,
+                    "num_interruptions": out.num_interruptions,
+                    "request_spans": [list(sp) for sp in out.spans()],
+                    "format_ok": None if fmt is None else bool(fmt),
+                    "reward_failed": bool(info.get("reward_failed", False)),
+                    "reward_error": info.get("reward_error")}
+        if stats is not None:
+            metadata["env_stats"] = stats
         return Trajectory(
             sample=sample, group_id=group_id, prompt_ids=list(out.prompt_ids), response_ids=list(out.token_ids),
             behaviour_logprobs=list(out.logprobs), versions=list(out.versions),
@@ -117,7 +156,5 @@ class AgentWorkflow:
             text=self.tokenizer.decode(out.token_ids, skip_special_tokens=True),
             action_mask=list(out.action_mask) if out.action_mask is not None else None,
             sampling_mask=out.sampling_mask, turn_rewards=turns or None,
-            metadata={"turns": len(turns), "tool_calls": out.tool_calls, "env_info": info,
-                      "num_interruptions": out.num_interruptions,
-                      "request_spans": [list(sp) for sp in out.spans()]},
+            metadata=metadata,
         )

@@ -145,6 +145,7 @@ class SingleTurnMathWorkflow:
                         "raw_reward": float(r.score),  # before reward.overlong
                         "reward_error": r.error,
                         "format_ok": None if fmt is None else fmt >= 1.0,
+                        "reward_metrics": dict(r.metrics),  # every metric of the service (style verdicts)
                         "num_interruptions": o.num_interruptions,
                         "reward_seconds": reward_s,
                         # which engine request generated which tokens: old-log-prob patches

@@ -28,12 +28,14 @@ from conveyor.config import TrainConfig
 from conveyor.data import DatasetError
 from conveyor.eval import evaluate
 from conveyor.faults import fault_point
-from conveyor.rewards import ANSWER_METRICS, RewardService
+from conveyor.rewards import RewardService
+from conveyor.rewards.styles import service_metrics
 from conveyor.rollout.adaptive import AsyncRatioController
 from conveyor.rollout.buffer import TrajectoryBuffer
 from conveyor.rollout.controller import DataStream, RolloutController
 from conveyor.rollout.engine import InferenceEngine, SamplingParams
 from conveyor.rollout.staleness import StalenessManager
+from conveyor.rollout.style_schedule import with_style_schedule
 from conveyor.rollout.workflow import EnvLatencyWorkflow, SingleTurnMathWorkflow
 from conveyor.rundir import RunContext, final_checkpoint
 from conveyor.runlog import MetricsLogger
@@ -53,7 +55,9 @@ def heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logge
                  run_dir: Path, progress: bool, reward_service: RewardService | None = None, *,
                  evaluate_fn: Callable = evaluate):
     """Greedy pass@1 of the engine's current weights on ``samples``; written atomically to
-    ``RUN/eval_<label>.json`` and logged as an ``eval`` event at the latest log step.
+    ``RUN/eval_<label>.json`` and logged as an ``eval`` event at the latest log step. With an
+    environment (``env.name`` not ``none``) the samples are the environment's episodes
+    (:func:`conveyor.eval.evaluate` with ``env=cfg.env``).
 
     Args:
         evaluate_fn: Runs the evaluation, with :func:`conveyor.eval.evaluate`'s signature (the
@@ -63,11 +67,13 @@ def heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logge
     Returns:
         The :class:`~conveyor.eval.EvalResult`.
     """
+    env = {"env": cfg.env} if cfg.env.name != "none" else {}  # the run's environment's episodes
     res = evaluate_fn(
         engine, tokenizer, samples, k=1, temperature=0.0, max_new_tokens=cfg.run.eval_max_new_tokens,
         instruction=cfg.data.instruction, dataset=cfg.data.heldout, model_name=cfg.model.name, progress=progress,
         tool=cfg.rollout.tool, max_tool_calls=cfg.rollout.max_tool_calls,
         reward_service=reward_service,  # answer checks in the run's reward workers (metrics only)
+        **env,
     )
     atomic_write(run_dir / f"eval_{label}.json", res.write_json)  # never a half-written file
     # version: the latest log step (the policy version; k - W during a critic warm-up of W steps)
@@ -111,17 +117,35 @@ InlineRollout = RolloutSide  # the name before the Ray runtime (kept for callers
 
 def build_workflow(cfg: TrainConfig, tokenizer, reward_service: RewardService, *, version: int):
     """The main job's workflow from ``cfg`` (``rollout.*``, ``data.instruction``,
-    ``reward.overlong*``): :class:`~conveyor.rollout.workflow.SingleTurnMathWorkflow`, wrapped in
+    ``reward.overlong*``, ``env.*``): :class:`~conveyor.rollout.workflow.SingleTurnMathWorkflow`
+    when ``env.name=none``, else an :class:`~conveyor.rollout.agent.AgentWorkflow` over the
+    environment (:func:`conveyor.envs.registry.make_env_factory`; ``rollout.group_size`` episodes
+    per sample, each turn at most ``rollout.max_new_tokens`` tokens, ``env.max_turns`` turns and
+    ``env.max_episode_tokens`` response tokens per episode); either wrapped in
     :class:`~conveyor.rollout.workflow.EnvLatencyWorkflow` when ``rollout.env_latency.median_s >
     0`` (its seed offset by ``version`` so a resumed run draws new latencies). The same for every
-    runtime (inline, the Ray rollout actor)."""
+    runtime (inline, the Ray rollout actor).
+
+    Raises:
+        ValueError: an environment that cannot be built (e.g. ``env.options`` it does not take).
+    """
     r = cfg.rollout
     params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                             top_k=r.top_k, min_p=r.min_p)
-    workflow = SingleTurnMathWorkflow(tokenizer, reward_service, params, group_size=r.group_size,
-                                      instruction=cfg.data.instruction, tool=r.tool, max_tool_calls=r.max_tool_calls,
-                                      overlong=cfg.reward.overlong, overlong_buffer=cfg.reward.overlong_buffer,
-                                      overlong_penalty=cfg.reward.overlong_penalty)
+    if cfg.env.name != "none":
+        from conveyor.envs.registry import make_env_factory
+        from conveyor.rollout.agent import AgentWorkflow
+
+        make_env = make_env_factory(cfg.env, tokenizer=tokenizer, reward_service=reward_service,
+                                    instruction=cfg.data.instruction or "")
+        workflow = AgentWorkflow(tokenizer, make_env, params, group_size=r.group_size, max_turns=cfg.env.max_turns,
+                                 max_total_tokens=cfg.env.max_episode_tokens)
+    else:
+        workflow = SingleTurnMathWorkflow(tokenizer, reward_service, params, group_size=r.group_size,
+                                          instruction=cfg.data.instruction, tool=r.tool,
+                                          max_tool_calls=r.max_tool_calls, overlong=cfg.reward.overlong,
+                                          overlong_buffer=cfg.reward.overlong_buffer,
+                                          overlong_penalty=cfg.reward.overlong_penalty)
     lat = r.env_latency
     if lat.median_s > 0:
         workflow = EnvLatencyWorkflow(workflow, median_s=lat.median_s, sigma=lat.sigma, max_s=lat.max_s,
@@ -152,7 +176,7 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
     ctx.stack.callback(engine.stop)
     reward_service = RewardService(reward_fn, timeout_s=cfg.reward.timeout_s,
                                    failure_score=cfg.reward.failure_score, max_workers=cfg.reward.workers,
-                                   metrics=ANSWER_METRICS,  # correctness off the main process too
+                                   metrics=service_metrics(cfg.data.style_schedule),  # correctness (style verdicts) off the main process too
                                    max_abs_score=cfg.reward.max_abs)
     ctx.stack.callback(reward_service.close)
     G = cfg.rollout.group_size
@@ -162,7 +186,10 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
     staleness = StalenessManager(batch_size=B, eta=eta, max_concurrent=max(cfg.rollout.max_concurrent, G))
     buffer = TrajectoryBuffer(eta, on_drop=staleness.on_drop)
     controller = RolloutController(
-        engine, workflow, DataStream(train_samples, seed=cfg.data.shuffle_seed), staleness, buffer,
+        engine, workflow,
+        # data.style_schedule: each sample stamped with the target style at its admission version
+        with_style_schedule(DataStream(train_samples, seed=cfg.data.shuffle_seed), cfg.data, lambda: controller.version),
+        staleness, buffer,
         group_size=G, filter_all_equal=cfg.rollout.filter_all_equal,
         max_filtered_in_a_row=cfg.rollout.max_filtered_in_a_row, version=trainer.version,
         on_skip=lambda s, why: logger.event("prompt_too_long", sample=s.id, reason=why),

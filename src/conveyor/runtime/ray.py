@@ -227,11 +227,13 @@ class RolloutActor:
             model that is not there), raised in the driver as :class:`RolloutActorError`.
         """
         from conveyor.models import load_model
-        from conveyor.rewards import ANSWER_METRICS, RewardService, load_reward_fn
+        from conveyor.rewards import RewardService, load_reward_fn
+        from conveyor.rewards.styles import service_metrics
         from conveyor.rollout.buffer import TrajectoryBuffer
         from conveyor.rollout.controller import DataStream, RolloutController
         from conveyor.rollout.engine import InferenceEngine
         from conveyor.rollout.staleness import StalenessManager
+        from conveyor.rollout.style_schedule import with_style_schedule
         from conveyor.runtime.inline import build_workflow
 
         t0 = time.perf_counter()
@@ -251,7 +253,7 @@ class RolloutActor:
         self.engine.start()
         self.reward_service = RewardService(reward_fn, timeout_s=cfg.reward.timeout_s,
                                             failure_score=cfg.reward.failure_score, max_workers=cfg.reward.workers,
-                                            metrics=ANSWER_METRICS, max_abs_score=cfg.reward.max_abs)
+                                            metrics=service_metrics(cfg.data.style_schedule), max_abs_score=cfg.reward.max_abs)
         G = cfg.rollout.group_size
         workflow = build_workflow(cfg, lm.tokenizer, self.reward_service, version=version)
         eta = cfg.asynchronous.eta
@@ -259,7 +261,10 @@ class RolloutActor:
         staleness = StalenessManager(batch_size=B, eta=eta, max_concurrent=max(cfg.rollout.max_concurrent, G))
         self.buffer = TrajectoryBuffer(eta, on_drop=staleness.on_drop)
         self.controller = RolloutController(
-            self.engine, workflow, DataStream(train_samples, seed=cfg.data.shuffle_seed), staleness, self.buffer,
+            self.engine, workflow,
+            with_style_schedule(DataStream(train_samples, seed=cfg.data.shuffle_seed), cfg.data,
+                                lambda: self.controller.version),  # data.style_schedule
+            staleness, self.buffer,
             group_size=G, filter_all_equal=cfg.rollout.filter_all_equal,
             max_filtered_in_a_row=cfg.rollout.max_filtered_in_a_row, version=version, on_skip=self._on_skip)
         self.controller.stats.prompts_too_long = n_too_long

@@ -3,7 +3,8 @@ and the progress display, written once for every runtime.
 
 - :class:`RunClock`: wall-clock and busy seconds of one process segment (trainer and engine).
 - :func:`batch_metrics`: what a batch of trajectories says about the rollouts (accuracy, format,
-  reward failures, truncation, lengths).
+  reward failures, truncation, lengths; turns, tool calls and sandbox incidents of multi-turn
+  episodes: :func:`agent_metrics`).
 - :class:`StepRecorder`: one step's row in ``metrics.jsonl`` / TensorBoard, its batch in
   ``trained.jsonl``, the trainer's events, the progress bar or console line.
 """
@@ -13,11 +14,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from conveyor.rewards.styles import style_batch_metrics
 from conveyor.rundir import report_failures
 from conveyor.runlog import FailureCounter, MetricsLogger
 from conveyor.types import Trajectory
 
-__all__ = ["RunClock", "StepRecorder", "batch_metrics"]
+__all__ = ["RunClock", "StepRecorder", "agent_metrics", "batch_metrics"]
 
 
 class RunClock:
@@ -78,10 +80,54 @@ class RunClock:
         return out
 
 
+def agent_metrics(batch: list[Trajectory]) -> dict[str, float]:
+    """Statistics of a batch's multi-turn episodes (trajectories of
+    :class:`~conveyor.rollout.agent.AgentWorkflow`, recognised by ``metadata["turns"]``); empty
+    when there are none.
+
+    Keys: ``agent/turns_mean`` (model turns per episode), ``agent/tool_calls_mean`` (turns that
+    called a tool, per episode), ``agent/tool_call_rate`` (share of turns that called a tool),
+    ``agent/tool_call_success_rate`` (share of calls that ran and succeeded; NaN without calls),
+    ``agent/episodes_cut_share`` (episodes ended by a limit, not by the environment),
+    ``agent/sandbox_incidents`` (contained sandbox incidents in the batch) and, when the
+    environment reports them, ``agent/incidents/<kind>`` for every kind of
+    :data:`conveyor.envs.sandbox.INCIDENT_KINDS`. Tool counts come from the environment's
+    ``episode_stats()`` (``metadata["env_stats"]``); environments without tools count 0."""
+    agent = [t for t in batch if "turns" in t.metadata]
+    if not agent:
+        return {}
+    n = len(agent)
+    stats = [t.metadata.get("env_stats") or {} for t in agent]
+    turns = sum(int(t.metadata["turns"]) for t in agent)
+    calls = sum(int(st.get("tool_calls", 0)) for st in stats)
+    ok = sum(int(st.get("tool_calls_ok", 0)) for st in stats)
+    out = {
+        "agent/turns_mean": turns / n,
+        "agent/tool_calls_mean": calls / n,
+        "agent/tool_call_rate": calls / turns if turns else 0.0,
+        "agent/tool_call_success_rate": ok / calls if calls else float("nan"),
+        "agent/episodes_cut_share": sum(not t.metadata.get("env_done", True) for t in agent) / n,
+    }
+    kinds: dict[str, float] = {}
+    if any("incidents" in st for st in stats):
+        from conveyor.envs.sandbox import INCIDENT_KINDS
+
+        kinds = dict.fromkeys(INCIDENT_KINDS, 0.0)
+        for st in stats:
+            for kind, v in (st.get("incidents") or {}).items():
+                kinds[kind] = kinds.get(kind, 0.0) + float(v)
+    out["agent/sandbox_incidents"] = float(sum(kinds.values()))
+    out.update({f"agent/incidents/{k}": v for k, v in kinds.items()})
+    return out
+
+
 def batch_metrics(batch: list[Trajectory]) -> dict[str, float]:
     """Rollout statistics of a non-empty batch: shares of correct answers, well-formatted
     answers, unknown correctness (the answer check timed out / crashed: counted as wrong in the
-    accuracy), failed rewards and truncated responses; response length mean / max (tokens)."""
+    accuracy), failed rewards and truncated responses; response length mean / max (tokens);
+    for multi-turn episodes also :func:`agent_metrics`; on the preference-shift task
+    (``data.style_schedule``) also ``style/<name>_rate``, ``style/target`` and
+    ``style/target_rate`` (:func:`conveyor.rewards.styles.style_batch_metrics`)."""
     n = len(batch)
     lengths = [len(t.response_ids) for t in batch]
     return {
@@ -92,6 +138,8 @@ def batch_metrics(batch: list[Trajectory]) -> dict[str, float]:
         "rollout/truncated_share": sum(t.finish_reason == "length" for t in batch) / n,
         "response/length_mean": sum(lengths) / n,
         "response/length_max": float(max(lengths)),
+        **agent_metrics(batch),
+        **style_batch_metrics(batch),  # preference-shift task only (data.style_schedule)
     }
 
 
