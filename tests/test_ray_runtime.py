@@ -80,6 +80,9 @@ def test_ray_run_starts_its_own_cluster_trains_evaluates_and_checkpoints(tmp_pat
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["staleness/max"] <= 1 and r["train/tokens"] > 0 for r in rows)
     assert all(0.0 <= r["busy/engine"] <= 1.0 and r["rollout/episodes_accepted"] >= 2 for r in rows)
+    # the runtime's own overhead per step: the actor calls besides the batch wait, and their time
+    assert all(r["runtime/actor_calls"] >= 3 and 0 < r["runtime/actor_call_s"] < r["time/step_wall_s"] for r in rows), [
+        (r["runtime/actor_calls"], r["runtime/actor_call_s"], r["time/step_wall_s"]) for r in rows]
     for name in ("config.json", "summary.json", "eval_before.json", "eval_after.json", "engine_stats.json",
                  "trained.jsonl", "report.png"):
         assert (run / name).is_file(), name

@@ -439,6 +439,10 @@ class _Handle:
         self.logger = logger  # the run's MetricsLogger (skip events), or None
         self.dead: str | None = None
         self.generation = 0  # incremented by every restart (a call knows which actor it talked to)
+        # calls other than the batch wait, and their seconds (the runtime's per-step overhead)
+        self.calls = 0
+        self.call_seconds = 0.0
+        self._count_lock = threading.Lock()
         self.reviver: _ActorReviver | None = None  # restarts a dead actor (build_ray_rollout)
 
     def call(self, method: str, *args, timeout: float | None = None, passthrough: tuple = (), **kwargs):
@@ -454,9 +458,15 @@ class _Handle:
         if self.dead is not None:
             raise RolloutActorError(f"{self.dead}; {method}() was not called")
         generation = self.generation
+        t0 = time.perf_counter()
         try:
             ref = getattr(self.actor, method).remote(*args, **kwargs)
-            return ray.get(ref, timeout=timeout)
+            out = ray.get(ref, timeout=timeout)
+            if method not in _NOT_PER_STEP_OVERHEAD:
+                with self._count_lock:
+                    self.calls += 1
+                    self.call_seconds += time.perf_counter() - t0
+            return out
         except ray.exceptions.GetTimeoutError:
             raise RolloutActorError(f"the rollout actor did not answer {method}() within {timeout:.0f} s "
                                     "(runtime.call_timeout_s); stopping rather than waiting forever") from None
@@ -516,6 +526,7 @@ class RayRollout:
         self._h = handle
         self.poll_s = poll_s
         self._last_stats = None
+        self._calls_read = (0, 0.0)  # (calls, seconds) at the previous counters()
 
     # the port
     def next_batch(self, n: int, version: int, *, health=None, stop=None):
@@ -556,9 +567,19 @@ class RayRollout:
         self._h.call("apply_old_logprobs", list(patches))
 
     def counters(self) -> dict[str, float]:
-        """The controller's counters (and the actor's log records forwarded)."""
+        """The controller's counters (and the actor's log records forwarded), plus the runtime's
+        own: ``runtime/actor_calls`` and ``runtime/actor_call_s``, the calls to the actor since
+        the previous read (one step) and their seconds, the batch wait, set-up, evaluations and
+        shutdown excepted (the Ray runtime's per-step overhead; calls from other threads
+        included)."""
         self._h.forward()
-        return self._h.call("counters")
+        out = dict(self._h.call("counters"))
+        h = self._h
+        with h._count_lock:
+            out["runtime/actor_calls"] = float(h.calls - self._calls_read[0])
+            out["runtime/actor_call_s"] = h.call_seconds - self._calls_read[1]
+            self._calls_read = (h.calls, h.call_seconds)
+        return out
 
     def take_not_trained(self) -> list[dict]:
         """Trajectories dropped since the previous call."""
@@ -817,6 +838,11 @@ def start_rollout_actor(runtime_cfg, *, logger=None, faults: bool = True):
 _NOT_REPEATED_AFTER_RESTART = frozenset({"update_weights", "controller_start"})
 """Calls not repeated on a restarted actor: it was built from the trainer's current weights and
 starts its controller itself."""
+
+_NOT_PER_STEP_OVERHEAD = frozenset({"next_batch", "next_batch_with_snapshot", "setup", "ready", "evaluate", "close",
+                                    "close_rewards"})
+"""Calls not counted as the runtime's per-step overhead (``runtime/actor_call_s``): the batch wait
+is waiting; set-up, evaluations and shutdown are phases of their own."""
 
 _CUMULATIVE_ENGINE_STATS = frozenset({
     "busy_seconds", "prefill_seconds", "sample_seconds", "generated_tokens", "prefill_tokens", "reencoded_tokens",
