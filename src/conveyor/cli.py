@@ -58,8 +58,9 @@ _EVAL_HELP = {
             f"(default: {_EXPORT}: its rollout.tool; else none)",
     "max_tool_calls": "calculator observations per response at most "
                       f"(default: 4; {_EXPORT}: its rollout.max_tool_calls)",
-    "env": "run an environment's episodes instead of single responses: guess, math_python or "
-           f"package.module:factory (env.name; default: {_EXPORT}: its env; else none); reports turns, "
+    "env": "run an environment's episodes instead of single responses: guess, math_python, "
+           "package.module:factory or openai:package.module:fn (an openai-client agent) "
+           f"(env.name; default: {_EXPORT}: its env; else none); reports turns, "
            "tool calls and sandbox incidents too",
     "max_turns": "model turns per episode at most (env.max_turns, default 4)",
     "max_episode_tokens": "response tokens per episode at most (env.max_episode_tokens, default 512)",

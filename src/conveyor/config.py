@@ -121,12 +121,26 @@ class SandboxSettings(_Strict):
                                                                        "sys.path (e.g. a venv's site-packages for sympy)")
 
 
+class OpenAIEndpointSettings(_Strict):
+    """The OpenAI-compatible endpoint of ``env.name=openai:package.module:fn`` agents
+    (``env.openai.*``; :mod:`conveyor.rollout.openai_server`)."""
+
+    host: str = Field(default="127.0.0.1", description="address the endpoint binds (127.0.0.1: this machine only)")
+    port: int = Field(default=0, ge=0, le=65535, description="0: a free ephemeral port")
+    api_key: str | None = Field(default=None, description="required as 'Authorization: Bearer KEY'; null: a random "
+                                                          "key per run, handed to the agent (a key set here is "
+                                                          "recorded in config.json)")
+
+
 class EnvConfig(_Strict):
     """Multi-turn agent environments (issue 14; :mod:`conveyor.envs.registry`). ``name``: ``none``
-    (the single-turn workflow, the default), ``guess``, ``math_python`` or ``package.module:factory``
-    (a user environment, called once per episode with ``options`` as keyword arguments)."""
+    (the single-turn workflow, the default), ``guess``, ``math_python``, ``package.module:factory``
+    (a user environment, called once per episode with ``options`` as keyword arguments) or
+    ``openai:package.module:fn`` (agent code using the ``openai`` client, called once per episode
+    with an :class:`~conveyor.rollout.openai_agent.AgentRun` and ``options``)."""
 
-    name: str = Field(default="none", description="none | guess | math_python | package.module:factory")
+    name: str = Field(default="none", description="none | guess | math_python | package.module:factory | "
+                                                  "openai:package.module:fn")
     max_turns: int = Field(default=4, ge=1, description="model turns per episode at most")
     max_episode_tokens: int = Field(default=512, ge=1, description="response tokens per episode at most (actions and "
                                                                    "observations); each turn also stops at "
@@ -139,6 +153,7 @@ class EnvConfig(_Strict):
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the environment (guess: "
                                                                       "high, max_guesses, shaping; a user factory: its own)")
     sandbox: SandboxSettings = Field(default_factory=lambda: SandboxSettings())
+    openai: OpenAIEndpointSettings = Field(default_factory=lambda: OpenAIEndpointSettings())
 
     @field_validator("name", mode="before")
     @classmethod
@@ -149,6 +164,8 @@ class EnvConfig(_Strict):
             from conveyor.envs.registry import BUILTIN_ENVS
 
             v = v.strip()
+            if v.startswith("openai:") and not all(v[len("openai:"):].partition(":")[::2]):
+                raise ValueError(f"env.name={v!r}: an OpenAI-client agent is named 'openai:package.module:function'")
             if v not in ("none", *BUILTIN_ENVS) and not (":" in v and all(v.partition(":")[::2])):
                 raise ValueError(f"env.name must be none, {', '.join(BUILTIN_ENVS)} or 'package.module:factory', "
                                  f"got {v!r}")

@@ -483,14 +483,26 @@ def _progress_bar(dataset: str, total: int):
 def _run_episodes(engine, tokenizer, samples, params, service, env, *, n, k, dataset, model_name, progress,
                   instruction) -> EvalResult:
     """:func:`evaluate` with an environment: ``n`` episodes per sample
-    (:class:`~conveyor.rollout.agent.AgentWorkflow`), then the figures."""
-    from conveyor.envs.registry import make_env_factory
-    from conveyor.envs.sandbox import INCIDENT_KINDS
-    from conveyor.rollout.agent import AgentWorkflow
+    (:class:`~conveyor.rollout.agent.AgentWorkflow`, or
+    :class:`~conveyor.rollout.openai_agent.OpenAIAgentWorkflow` for ``openai:...``), then the figures."""
+    from conveyor.envs.registry import build_env_workflow
 
-    make_env = make_env_factory(env, tokenizer=tokenizer, reward_service=service, instruction=instruction or "")
-    workflow = AgentWorkflow(tokenizer, make_env, params, group_size=n, max_turns=env.max_turns,
-                             max_total_tokens=env.max_episode_tokens)
+    # AgentWorkflow, or the OpenAI-client agent's workflow (env.name=openai:...; closed below)
+    workflow = build_env_workflow(env, tokenizer=tokenizer, reward_service=service, params=params, group_size=n,
+                                  instruction=instruction or "")
+    try:
+        return _episode_figures(workflow, engine, samples, params, env, n=n, k=k, dataset=dataset,
+                                model_name=model_name, progress=progress, instruction=instruction)
+    finally:
+        close = getattr(workflow, "close", None)
+        if close is not None:
+            close()
+
+
+def _episode_figures(workflow, engine, samples, params, env, *, n, k, dataset, model_name, progress,
+                     instruction) -> EvalResult:
+    """The episodes of :func:`_run_episodes` and their figures."""
+    from conveyor.envs.sandbox import INCIDENT_KINDS
 
     async def run_all(bar=None, task=None):
         async def one(s):

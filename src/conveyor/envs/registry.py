@@ -19,9 +19,13 @@
   ``context`` (the run's tokenizer, reward service, answer instruction and env settings); it
   must return an :class:`~conveyor.envs.base.Environment`. The module must be importable (install
   it or put its folder on ``PYTHONPATH``).
+* ``openai:package.module:fn``: not an environment but agent code written against the ``openai``
+  client (:mod:`conveyor.rollout.openai_agent`): ``fn(run, **env.options)`` is called once per
+  episode and talks to conveyor's OpenAI-compatible endpoint; its calls become the trajectory.
 
 :func:`check_env` validates all of this before a run starts (import, arguments, the sandbox);
-:func:`make_env_factory` builds the ``() -> Environment`` the agent workflow calls per episode.
+:func:`make_env_factory` builds the ``() -> Environment`` the agent workflow calls per episode;
+:func:`build_env_workflow` the episode workflow of any ``env.name`` but ``none``.
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ from typing import Any
 
 from conveyor.envs.base import Environment
 
-__all__ = ["BUILTIN_ENVS", "ENV_DATA", "EnvContext", "check_env", "load_env_class", "make_env_factory",
-           "needs_reward_service", "sandbox_config"]
+__all__ = ["BUILTIN_ENVS", "ENV_DATA", "EnvContext", "build_env_workflow", "check_env", "load_env_class",
+           "make_env_factory", "needs_reward_service", "sandbox_config"]
 
 BUILTIN_ENVS: tuple[str, ...] = ("guess", "math_python")
 """The built-in environment names (besides ``none``)."""
@@ -147,6 +151,9 @@ def make_env_factory(settings, *, tokenizer, reward_service, instruction: str = 
     options = dict(settings.options or {})
     if name in (None, "none"):
         raise ValueError("make_env_factory: env.name is none (the single-turn workflow has no environment)")
+    if name.startswith("openai:"):
+        raise ValueError(f"make_env_factory: env.name={name} is an OpenAI-client agent, not an environment "
+                         "(build_env_workflow builds its workflow)")
     if name == "guess":
         from conveyor.envs.guess import GuessNumberEnv
 
@@ -207,6 +214,19 @@ def check_env(settings, tokenizer) -> list[str]:
     name = settings.name
     if name in (None, "none"):
         return notes
+    if name.startswith("openai:"):
+        from conveyor.envs.tool_calls import template_supports_tools
+        from conveyor.rollout.openai_agent import check_agent, load_agent
+
+        fn = load_agent(name)
+        check_agent(fn, dict(settings.options or {}), name)
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"env.name={name}: the tokenizer has no chat template (the chat endpoint needs one)")
+        notes.append(f"env.name={name}: the agent talks to an OpenAI-compatible endpoint on {settings.openai.host} "
+                     f"({'a free port' if not settings.openai.port else f'port {settings.openai.port}'}); tool schemas "
+                     + ("rendered by the chat template" if template_supports_tools(tokenizer) else
+                        "go into a system message (the chat template has no tools branch)"))
+        return notes
     if name == "guess":
         make_env_factory(settings, tokenizer=tokenizer, reward_service=None)
     elif name == "math_python":
@@ -235,3 +255,28 @@ def check_env(settings, tokenizer) -> list[str]:
         except Exception as exc:  # noqa: BLE001 - the user's constructor: name it, keep the cause
             raise ValueError(f"env.name={name}: creating the environment failed: {type(exc).__name__}: {exc}") from exc
     return notes
+
+
+def build_env_workflow(settings, *, tokenizer, reward_service, params, group_size: int, instruction: str = ""):
+    """The episode workflow of ``settings`` (``env.name`` not ``none``): an
+    :class:`~conveyor.rollout.openai_agent.OpenAIAgentWorkflow` for ``openai:package.module:fn``,
+    else an :class:`~conveyor.rollout.agent.AgentWorkflow` over :func:`make_env_factory`'s
+    environments; ``group_size`` episodes per sample, each model turn at most
+    ``params.max_new_tokens`` tokens, ``env.max_turns`` turns and ``env.max_episode_tokens``
+    response tokens per episode. Callers close a workflow that has ``close`` (the OpenAI
+    endpoint).
+
+    Raises:
+        ValueError: what :func:`make_env_factory` / the OpenAI workflow raise.
+    """
+    if settings.name.startswith("openai:"):
+        from conveyor.rollout.openai_agent import OpenAIAgentWorkflow
+
+        return OpenAIAgentWorkflow.from_settings(settings, tokenizer=tokenizer, params=params,
+                                                 reward_service=reward_service, group_size=group_size,
+                                                 instruction=instruction)
+    from conveyor.rollout.agent import AgentWorkflow
+
+    make_env = make_env_factory(settings, tokenizer=tokenizer, reward_service=reward_service, instruction=instruction)
+    return AgentWorkflow(tokenizer, make_env, params, group_size=group_size, max_turns=settings.max_turns,
+                         max_total_tokens=settings.max_episode_tokens)

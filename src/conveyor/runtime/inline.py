@@ -35,7 +35,11 @@ from conveyor.rollout.buffer import TrajectoryBuffer
 from conveyor.rollout.controller import DataStream, RolloutController
 from conveyor.rollout.engine import InferenceEngine, SamplingParams
 from conveyor.rollout.staleness import StalenessManager
-from conveyor.rollout.style_schedule import stamp_target_style, style_at_version, with_style_schedule
+from conveyor.rollout.style_schedule import (
+    stamp_target_style,
+    style_at_version,
+    with_style_schedule,
+)
 from conveyor.rollout.workflow import EnvLatencyWorkflow, SingleTurnMathWorkflow
 from conveyor.rundir import RunContext, final_checkpoint
 from conveyor.runlog import MetricsLogger
@@ -132,7 +136,9 @@ def build_workflow(cfg: TrainConfig, tokenizer, reward_service: RewardService, *
     """The main job's workflow from ``cfg`` (``rollout.*``, ``data.instruction``,
     ``reward.overlong*``, ``env.*``): :class:`~conveyor.rollout.workflow.SingleTurnMathWorkflow`
     when ``env.name=none``, else an :class:`~conveyor.rollout.agent.AgentWorkflow` over the
-    environment (:func:`conveyor.envs.registry.make_env_factory`; ``rollout.group_size`` episodes
+    environment, or for ``env.name=openai:package.module:fn`` an
+    :class:`~conveyor.rollout.openai_agent.OpenAIAgentWorkflow` (which has ``close``)
+    (:func:`conveyor.envs.registry.build_env_workflow`; ``rollout.group_size`` episodes
     per sample, each turn at most ``rollout.max_new_tokens`` tokens, ``env.max_turns`` turns and
     ``env.max_episode_tokens`` response tokens per episode); either wrapped in
     :class:`~conveyor.rollout.workflow.EnvLatencyWorkflow` when ``rollout.env_latency.median_s >
@@ -146,13 +152,11 @@ def build_workflow(cfg: TrainConfig, tokenizer, reward_service: RewardService, *
     params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                             top_k=r.top_k, min_p=r.min_p)
     if cfg.env.name != "none":
-        from conveyor.envs.registry import make_env_factory
-        from conveyor.rollout.agent import AgentWorkflow
+        from conveyor.envs.registry import build_env_workflow
 
-        make_env = make_env_factory(cfg.env, tokenizer=tokenizer, reward_service=reward_service,
-                                    instruction=cfg.data.instruction or "")
-        workflow = AgentWorkflow(tokenizer, make_env, params, group_size=r.group_size, max_turns=cfg.env.max_turns,
-                                 max_total_tokens=cfg.env.max_episode_tokens)
+        # an AgentWorkflow over the environment, or the OpenAI-client agent's workflow (openai:...)
+        workflow = build_env_workflow(cfg.env, tokenizer=tokenizer, reward_service=reward_service, params=params,
+                                      group_size=r.group_size, instruction=cfg.data.instruction or "")
     else:
         workflow = SingleTurnMathWorkflow(tokenizer, reward_service, params, group_size=r.group_size,
                                           instruction=cfg.data.instruction, tool=r.tool,
@@ -194,6 +198,9 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
     ctx.stack.callback(reward_service.close)
     G = cfg.rollout.group_size
     workflow = build_workflow(cfg, tokenizer, reward_service, version=trainer.version)
+    close_workflow = getattr(getattr(workflow, "inner", workflow), "close", None)
+    if close_workflow is not None:  # the OpenAI endpoint of env.name=openai:... agents
+        ctx.stack.callback(close_workflow)
     eta = cfg.asynchronous.eta
     B = cfg.trainer.batch_size * G  # trajectories per update
     staleness = StalenessManager(batch_size=B, eta=eta, max_concurrent=max(cfg.rollout.max_concurrent, G))

@@ -198,7 +198,7 @@ class RolloutActor:
             lg.propagate = False  # forwarded to the driver's train.log, not printed twice
         self._skips: list[dict] = []
         self._skips_lock = threading.Lock()
-        self.engine = self.controller = self.buffer = self.reward_service = self.tokenizer = None
+        self.engine = self.controller = self.buffer = self.reward_service = self.tokenizer = self.workflow = None
 
     # ------------------------------------------------------------------ build
     def setup(self, cfg, train_samples: list, weights, *, engine_threads: int, track_partials: bool,
@@ -255,7 +255,7 @@ class RolloutActor:
                                             failure_score=cfg.reward.failure_score, max_workers=cfg.reward.workers,
                                             metrics=service_metrics(cfg.data.style_schedule), max_abs_score=cfg.reward.max_abs)
         G = cfg.rollout.group_size
-        workflow = build_workflow(cfg, lm.tokenizer, self.reward_service, version=version)
+        workflow = self.workflow = build_workflow(cfg, lm.tokenizer, self.reward_service, version=version)
         eta = cfg.asynchronous.eta
         B = cfg.trainer.batch_size * G
         staleness = StalenessManager(batch_size=B, eta=eta, max_concurrent=max(cfg.rollout.max_concurrent, G))
@@ -410,8 +410,11 @@ class RolloutActor:
             self.reward_service.close()
 
     def close(self) -> None:
-        """Stop the controller and the engine, close the reward service (idempotent)."""
-        for f in (self.controller_stop, lambda: self.engine is not None and self.engine.stop(), self.close_rewards):
+        """Stop the controller and the engine, close the workflow (e.g. the OpenAI-compatible
+        endpoint of ``env.name=openai:...``) and the reward service (idempotent)."""
+        close_workflow = getattr(self.workflow, "close", None)
+        for f in (self.controller_stop, lambda: self.engine is not None and self.engine.stop(),
+                  lambda: close_workflow is not None and close_workflow(), self.close_rewards):
             try:
                 f()
             except Exception:
