@@ -387,20 +387,8 @@ def _generate_and_score(engine, tokenizer, samples, prompts, params, service, *,
 
     t0 = time.perf_counter()
     if progress:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-
-        with Progress(
-            TextColumn("eval {task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), TimeRemainingColumn(), transient=False,
-        ) as bar:
-            task = bar.add_task(dataset or "", total=total)
+        bar, task = _progress_bar(dataset, total)
+        with bar:
             outs = asyncio.run(run_all(bar, task))
     else:
         outs = asyncio.run(run_all())

@@ -97,6 +97,16 @@ def load_env_class(spec: str) -> Callable[..., Environment]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"env.name={spec!r}: use none, {', '.join(BUILTIN_ENVS)} or 'package.module:factory'")
+    return import_callable(spec, module_name, attr, "a class or function")
+
+
+def import_callable(spec: str, module_name: str, attr: str, kind: str) -> Callable:
+    """``module_name.attr`` imported for ``env.name=spec`` (a user environment or agent).
+
+    Raises:
+        ValueError: the module does not import, has no ``attr``, or it is not callable (the
+            message names ``env.name`` and says it should be ``kind``).
+    """
     try:
         obj = getattr(importlib.import_module(module_name), attr)
     except ImportError as exc:
@@ -105,7 +115,7 @@ def load_env_class(spec: str) -> Callable[..., Environment]:
     except AttributeError as exc:
         raise ValueError(f"env.name={spec!r}: module {module_name!r} has no attribute {attr!r}") from exc
     if not callable(obj):
-        raise ValueError(f"env.name={spec!r}: {attr!r} is a {type(obj).__name__}, not a class or function")
+        raise ValueError(f"env.name={spec!r}: {attr!r} is a {type(obj).__name__}, not {kind}")
     return obj
 
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import importlib
 import inspect
 import logging
 import math
@@ -197,16 +196,9 @@ def load_agent(spec: str) -> Callable[..., Any]:
     module_name, sep, attr = rest.partition(":")
     if not sep or not module_name or not attr or ":" in attr:
         raise ValueError(f"env.name={spec!r}: an OpenAI-client agent is named 'openai:package.module:function'")
-    try:
-        obj = getattr(importlib.import_module(module_name), attr)
-    except ImportError as exc:
-        raise ValueError(f"env.name={spec!r}: cannot import module {module_name!r} ({exc}); install it or put its "
-                         "folder on PYTHONPATH") from exc
-    except AttributeError as exc:
-        raise ValueError(f"env.name={spec!r}: module {module_name!r} has no attribute {attr!r}") from exc
-    if not callable(obj):
-        raise ValueError(f"env.name={spec!r}: {attr!r} is a {type(obj).__name__}, not a function")
-    return obj
+    from conveyor.envs.registry import import_callable
+
+    return import_callable(spec, module_name, attr, "a function")
 
 
 def check_agent(fn: Callable[..., Any], options: dict[str, Any], spec: str) -> None:
