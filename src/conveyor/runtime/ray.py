@@ -1017,14 +1017,17 @@ def build_ray_rollout(cfg, trainer, train_samples, *, engine_threads: int, logge
     finally:
         handle.forward(timeout=10.0)
     del weights
-    reviver = _ActorReviver(handle, cfg, trainer, train_samples, engine_threads=engine_threads, logger=logger,
-                            n_too_long=n_too_long, state=state)
-    reviver.active = cfg.runtime.max_actor_restarts > 0
-    handle.reviver = reviver
+    reviver = None
+    if cfg.runtime.max_actor_restarts > 0:  # else no snapshot per hand-out: nothing would use it
+        reviver = _ActorReviver(handle, cfg, trainer, train_samples, engine_threads=engine_threads, logger=logger,
+                                n_too_long=n_too_long, state=state)
+        reviver.active = True
+        handle.reviver = reviver
     logger.event("runtime", name="ray", actor_pid=info["pid"], actor_node=info["node"], address=cfg.runtime.address,
                  setup_seconds=time.perf_counter() - t0, cluster_cpus=ray.cluster_resources().get("CPU", 0))
     engine = RayEngine(handle)
-    reviver.engine = engine
+    if reviver is not None:
+        reviver.engine = engine
     rollout = RayRollout(handle)
     B = cfg.trainer.batch_size * cfg.rollout.group_size
 
