@@ -128,6 +128,64 @@ def test_agent_with_guess_env_on_the_engine(tiny):
         assert len(t.turn_rewards) == t.metadata["turns"]
 
 
+class NeverDone:
+    """Answers every turn with an observation and no verdict: only a limit ends the episode."""
+
+    async def reset(self, sample):
+        return "Keep going."
+
+    async def step(self, action):
+        return StepResult("Again.", 0.0, False, {})
+
+
+def test_an_episode_cut_by_a_limit_is_wrong_not_unknown(tiny):
+    """A guess evaluation counted every episode cut at env.max_turns (200/200) as
+    correct_unknown: an episode that ended without an answer is wrong."""
+    (t,) = run_agent(tiny, NeverDone, max_turns=2)
+    assert t.metadata["env_done"] is False and t.metadata["turns"] == 2
+    assert t.correct is False
+    (t,) = run_agent(tiny, NeverDone, max_turns=50, total=12)  # the token limit cuts it
+    assert t.metadata["env_done"] is False and t.correct is False
+
+
+def test_guess_high_option_sets_the_games_range_or_is_refused():
+    """env.options.high was silently overridden by the guess spec's default range (100) while
+    config.json recorded 10: the option now goes into the guess specs (recorded), a spec with
+    another high= is refused, and a value of the wrong type is named."""
+    from conveyor.config import ConfigError, EnvConfig, load_config
+    from conveyor.data import load_dataset
+    from conveyor.envs.registry import make_env_factory
+
+    cfg = load_config(None, ["env.name=guess", "env.options.high=10"])
+    assert (cfg.data.train, cfg.data.heldout) == ("guess:train?high=10", "guess:heldout?high=10")
+    assert cfg.to_dict()["data"]["heldout"] == "guess:heldout?high=10"  # what config.json records
+    samples = load_dataset(cfg.data.heldout)
+    env = make_env_factory(cfg.env, tokenizer=None, reward_service=None)()
+    first = asyncio.run(env.reset(samples[0]))
+    assert env.high == 10 and "between 1 and 10." in first and 1 <= env.secret <= 10
+    assert all(1 <= int(s.answer) <= 10 for s in samples)
+    # given once in the spec and once as the option: they must agree
+    same = load_config(None, ["env.name=guess", "env.options.high=10", "data.train=guess:train?size=5&high=10"])
+    assert same.data.train == "guess:train?size=5&high=10"
+    with pytest.raises(ConfigError, match=r"data.heldout=guess:heldout\?high=100 plays numbers up to high=100 "
+                                          r"but env.options.high=10"):
+        load_config(None, ["env.name=guess", "env.options.high=10", "data.heldout=guess:heldout?high=100"])
+    with pytest.raises(ValueError, match="env.options.high=10 but the sample guess:heldout/0"):
+        asyncio.run(make_env_factory(cfg.env, tokenizer=None, reward_service=None)().reset(
+            load_dataset("guess:heldout?size=1")[0]))
+    # no option: the spec's range, as before
+    assert load_config(None, ["env.name=guess"]).data.train == "guess:train"
+    # a value of the wrong type: the option, its value and the expected type (was: "'<' not
+    # supported between instances of 'str' and 'int'")
+    message = r"env.options.high='abc' \(str\): the guess environment expects an integer >= 1"
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["env.name=guess", "env.options.high=abc"])
+    with pytest.raises(ValueError, match=message):  # conveyor eval's path (check_env)
+        make_env_factory(EnvConfig(name="guess", options={"high": "abc"}), tokenizer=None, reward_service=None)
+    with pytest.raises(ValueError, match=r"env.options.shaping='x' \(str\): the guess environment expects a number"):
+        GuessNumberEnv(shaping="x")
+
+
 def test_turn_ids_continue_a_chatml_conversation_exactly(tiny):
     tok = tiny.tokenizer
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]

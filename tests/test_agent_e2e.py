@@ -89,14 +89,22 @@ def test_eval_cli_runs_an_environment(tmp_path):
                                  "--max-new-tokens", "6", "--env-option", "high=10", "--no-progress", "-o", str(out)])
     assert r.exit_code == 0, r.output
     res = json.loads(out.read_text())
-    assert res["env"] == "guess" and res["dataset"] == "guess:heldout" and res["num_problems"] == 3
+    # --env-option high=10 is the range the games play (it was silently 100), recorded in the spec
+    assert res["env"] == "guess" and res["dataset"] == "guess:heldout?high=10" and res["num_problems"] == 3
+    assert all(1 <= int(rec["answer"]) <= 10 for rec in res["records"])
     assert 1 <= res["turns_mean"] <= 2 and res["max_turns"] == 2 and res["tool_call_rate"] == 0
+    # an episode cut at --max-turns 2 (6 guesses allowed) ended without an answer: wrong, not unknown
+    assert res["correct_unknown"] == 0 and all(v in (True, False) for rec in res["records"] for v in rec["correct"])
     assert res["instruction"] == "" and all(1 <= t <= 2 for rec in res["records"] for t in rec["turns"])
     assert '"turns_mean"' in r.output  # the summary printed
     for args, message in [
         (["--env", "guess", "--tool", "calculator"], "--tool calculator is the single-turn calculator"),
         (["--max-turns", "2"], "need --env"),
         (["--env", "guess", "--env-option", "size=3"], "env.options {'high': 10, 'size': 3} do not fit"),
+        (["--env", "guess", "--env-option", "high=abc"],
+         "env.options.high='abc' (str): the guess environment expects an integer >= 1"),
+        (["--env", "guess", "--dataset", "guess:heldout?high=100"],
+         "--dataset=guess:heldout?high=100 plays numbers up to high=100 but env.options.high=10"),
         (["--env", "shell"], "env.name must be none, guess, math_python"),
     ]:
         r = CliRunner().invoke(app, ["eval", "--model", "tiny", "--n", "1", "--env-option", "high=10", *args])

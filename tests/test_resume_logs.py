@@ -239,6 +239,42 @@ def test_resume_of_a_finished_run_changes_nothing_and_heldout_settings_are_fixed
         )
 
 
+def test_restart_without_a_checkpoint_reuses_eval_before_or_supersedes_its_event(tmp_path):
+    """`--resume` of a run with no checkpoint deleted eval_before.json and evaluated again, while
+    the first process's eval event stayed valid in events.jsonl: now the same initial policy's
+    evaluation is reused, and when it cannot be (model.seed changed) the old event is superseded,
+    so the log holds one valid "before" evaluation either way."""
+    run = tmp_path / "r"
+    cfg = load_config(None, FAST + ["trainer.total_steps=1", f"run.dir={run}", "data.heldout_limit=2",
+                                    "run.eval_max_new_tokens=4", "run.eval_after=false",
+                                    "run.final_checkpoint=none"])
+    run_training(cfg)
+    assert latest_checkpoint(run) is None
+    (run / "summary.json").unlink()  # as if killed after its first step, before any checkpoint
+    ev = run / "eval_before.json"
+    first = (ev.read_bytes(), ev.stat().st_mtime_ns)
+
+    def before_events(include_superseded=False):
+        return [e for e in read_jsonl(run / "events.jsonl", include_superseded=include_superseded)
+                if e["event"] == "eval" and e["label"] == "before"]
+
+    res = run_training(load_run_config(run), resume_dir=run)
+    assert (ev.read_bytes(), ev.stat().st_mtime_ns) == first  # reused, not measured again
+    assert res.heldout_before == json.loads(first[0])["pass_at_1"]
+    assert len(before_events()) == 1
+    restart = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "restart"]
+    assert [e["eval_before"] for e in restart] == ["reused"]
+    # another initial policy: measured again, the old event superseded (kept as history)
+    (run / "summary.json").unlink()
+    run_training(load_run_config(run, ["model.seed=1"]), resume_dir=run)
+    assert ev.stat().st_mtime_ns != first[1]
+    assert len(before_events()) == 1 and len(before_events(include_superseded=True)) == 2
+    old = [e for e in before_events(include_superseded=True) if e.get("superseded")]
+    assert "model.seed changed (0 -> 1)" in old[0]["superseded"]["reason"]
+    restart = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "restart"]
+    assert restart[-1]["eval_before"].startswith("removed: model.seed changed")
+
+
 def test_simulate_calibration_reads_each_step_once(tmp_path):
     """`conveyor simulate RUN` on a run directory whose logs hold a step twice (written before
     resumes superseded rows) and a half-written last line (kill -9): each step counts once."""

@@ -489,6 +489,7 @@ def test_cli_report_and_datasets():
     assert r.exit_code == 2 and "no such run directory" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(app, ["datasets"])
     assert r.exit_code == 0 and "rg:basic_arithmetic" in r.output and "mawps:singleop" in r.output
+    assert "guess:heldout?size=N&high=H&seed=S" in r.output  # the guess games (env.name=guess) too
 
 
 def test_stop_report_before_the_first_checkpoint_says_resume(tmp_path):
@@ -591,3 +592,31 @@ def test_a_taken_run_dir_is_refused_before_the_model_loads(tmp_path, monkeypatch
         with pytest.raises(RunDirInUseError, match=f"in use by process {os.getpid()}"):
             run_training(load_config(None, FAST + [f"run.dir={busy}"]))
     assert sorted(p.name for p in busy.iterdir()) == ["run.lock"]
+
+
+def test_a_run_dir_holding_other_files_is_refused(tmp_path, monkeypatch):
+    """run.dir was an existing directory of other files (not empty, no run in it): training wrote
+    its files among them without a word. Now refused before the model loads, nothing written; an
+    empty directory, or one a process left before its logs (run.lock, config.json), is used."""
+    import conveyor.train as train_mod
+    from conveyor.rundir import check_new_run_dir
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the run.dir conflict was found")
+
+    monkeypatch.setattr(train_mod, "load_model", no_load)
+    mine = tmp_path / "thesis"
+    mine.mkdir()
+    (mine / "chapter1.tex").write_text("x")
+    (mine / "figures").mkdir()
+    with pytest.raises(FileExistsError, match=rf"run.dir={mine} is not empty and is not a conveyor run "
+                                              r"directory \(it holds chapter1.tex, figures; "):
+        run_training(load_config(None, FAST + [f"run.dir={mine}"]))
+    assert sorted(p.name for p in mine.iterdir()) == ["chapter1.tex", "figures"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    check_new_run_dir(empty)
+    (empty / "run.lock").write_text("{}")
+    (empty / "config.json").write_text("{}")
+    check_new_run_dir(empty)  # a process that stopped before its logs: used again
+    check_new_run_dir(tmp_path / "new")  # not there yet

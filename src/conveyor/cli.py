@@ -65,7 +65,8 @@ _EVAL_HELP = {
     "max_turns": "model turns per episode at most (env.max_turns, default 4)",
     "max_episode_tokens": "response tokens per episode at most (env.max_episode_tokens, default 512)",
     "tool_format": "auto, hermes or fenced (env.tool_format, default auto)",
-    "env_option": "KEY=VALUE passed to the environment (env.options), repeatable, e.g. --env-option high=10",
+    "env_option": "KEY=VALUE passed to the environment (env.options), repeatable, e.g. --env-option high=10 "
+                  "(guess: the games' range, also written into a guess dataset spec without high=)",
 }
 
 
@@ -174,6 +175,7 @@ def eval_cmd(
                                                "tool_format": tool_format, "env_option": env_option})
     except (ValueError, ConfigError) as e:
         _fail(str(e))
+    dataset_flag = dataset
     if env_cfg is not None and dataset is None and not exported_env:
         from conveyor.envs.registry import ENV_DATA
 
@@ -187,6 +189,15 @@ def eval_cmd(
     dataset, n, temperature, top_p = st["dataset"], st["n"], st["temperature"], st["top_p"]
     max_new_tokens, instruction = st["max_new_tokens"], st["instruction"]
     split_seed, tool, max_tool_calls = st["split_seed"], st["tool"], st["max_tool_calls"]
+    if env_cfg is not None and env_cfg.name == "guess":  # --env-option high=H: the range the games play
+        from conveyor.envs.guess import check_guess_options, guess_spec_for
+
+        try:
+            check_guess_options(env_cfg.options)
+            dataset = guess_spec_for(dataset, env_cfg.options.get("high"),
+                                     "--dataset" if dataset_flag is not None else "dataset")
+        except ValueError as e:
+            _fail(str(e))
     if env_cfg is not None and tool != "none":
         if tool_flag not in (None, "none"):
             _fail(f"--tool {tool} is the single-turn calculator; with --env {env_cfg.name} the environment brings "
@@ -316,13 +327,20 @@ def train_cmd(
 
 @app.command("datasets")
 def datasets_cmd() -> None:
-    """List the data set specs: the vendored sets, then every reasoning-gym task."""
+    """List the data set specs: the vendored sets, the guess-the-number games, every reasoning-gym
+    task, then the forms of your own files and Hugging Face datasets on disk."""
     from conveyor.data import list_datasets
+    from conveyor.data.registry import GUESS_DEFAULT_SIZE
+    from conveyor.envs.guess import GUESS_DEFAULT_HIGH
 
     console.print("[bold]vendored[/] (each also takes :train / :heldout, except gsm8k:train / "
                   "gsm8k:test)")
     for name in list_datasets():
         console.print(f"  {name}")
+    console.print("[bold]guess-the-number games[/] (env.name=guess; generated, :heldout with another seed; "
+                  f"defaults size={GUESS_DEFAULT_SIZE}, high={GUESS_DEFAULT_HIGH}, seed=0)", soft_wrap=True)
+    for part in ("train", "heldout"):
+        console.print(f"  guess:{part}?size=N&high=H&seed=S", soft_wrap=True)
     try:
         rg = [n for n in list_datasets(include_rg=True) if n.startswith("rg:")]
     except ImportError as e:  # reasoning-gym not installed

@@ -341,7 +341,8 @@ class TrainerConfig(_Strict):
     bf16: bool | Literal["auto"] = Field(
         default="auto", description="bf16 autocast for forward/backward (parameters stay fp32); auto = where a bf16 "
                                     "matrix product is measured faster than fp32 (CPUs with AVX512-BF16 / AMX; "
-                                    "conveyor.hardware); true on a CPU without bf16 arithmetic is ~15x slower")
+                                    "conveyor.hardware; measured once per run: a resume keeps the run's "
+                                    "choice); true on a CPU without bf16 arithmetic is ~15x slower")
     max_nonfinite_in_a_row: int = Field(default=3, ge=1)
     num_threads: int | None = Field(default=None, ge=1, description="trainer intra-op threads (default: auto, see run.threads)")
     separate_proximal_pass: bool = Field(default=False, description="always compute pi_prox in its own forward pass (with minibatches=1 the gradient pass's detached log-probs are identical and are reused)")
@@ -521,7 +522,11 @@ class TrainConfig(_Strict):
         """Settings an environment (``env.name`` not ``none``) cannot work with are refused, naming
         the keys; keys left at their defaults are resolved for it (recorded in config.json):
         ``rollout.tool`` -> ``none`` (the calculator belongs to the single-turn workflow), and for
-        ``guess`` ``data.train`` / ``data.heldout`` -> ``guess:train`` / ``guess:heldout``.
+        ``guess`` ``data.train`` / ``data.heldout`` -> ``guess:train`` / ``guess:heldout``; with
+        ``guess`` an explicit ``env.options.high`` goes into the guess specs that name no range
+        (``guess:train?high=10``: the option wins over the spec's default of 100, and config.json
+        records the game played), a spec whose ``high=`` differs is refused, and an option of the
+        wrong type is refused naming it (:func:`conveyor.envs.guess.check_guess_options`).
         Runs before ``data.instruction`` is resolved from ``data.train``."""
         name = self.env.name
         if name == "none":
@@ -547,6 +552,14 @@ class TrainConfig(_Strict):
                 self.data.train = train
             if "heldout" not in self.data.model_fields_set:
                 self.data.heldout = heldout
+        if name == "guess":  # an explicit env.options.high is the range the guess specs play
+            from conveyor.envs.guess import check_guess_options, guess_spec_for
+
+            check_guess_options(self.env.options)
+            high = self.env.options.get("high")
+            self.data.train = guess_spec_for(self.data.train, high, "data.train")
+            if self.data.heldout:
+                self.data.heldout = guess_spec_for(self.data.heldout, high, "data.heldout")
         return self
 
     @model_validator(mode="after")

@@ -82,7 +82,9 @@ class EvalResult:
         tool: ``"none"`` or ``"calculator"`` (the agent evaluated). max_tool_calls: its limit.
         instruction: The instruction appended to every question.
         correct_unknown: Responses whose answer check failed (timed out or crashed in the
-            reward service): correctness unknown, counted as wrong in every figure above.
+            reward service): correctness unknown, counted as wrong in every figure above. An
+            episode cut by a limit before the environment's verdict is not unknown but wrong
+            (:class:`~conveyor.rollout.agent.AgentWorkflow`; counted in ``episodes_cut``).
         settings_from: The export settings file the defaults came from (``conveyor eval
             --model RUN/export``), or None.
         split_seed: The data set's split seed (set by ``conveyor eval``), or None.
@@ -98,7 +100,8 @@ class EvalResult:
             (:data:`conveyor.envs.sandbox.INCIDENT_KINDS`; empty for environments without a
             sandboxed tool).
         reward_mean: The episodes' summed rewards, mean.
-        episodes_cut: Episodes ended by a limit (turns, tokens) rather than by the environment.
+        episodes_cut: Episodes ended by a limit (turns, tokens) rather than by the environment;
+            wrong unless the environment had already reported ``correct``.
         metrics_mean: The reward service's further metrics (beyond ``correct`` / ``format_ok``),
             each a mean over the responses where it was computed, e.g. the preference-shift
             task's ``style_<name>`` (share judged in each style: :data:`conveyor.rewards.styles.

@@ -56,13 +56,17 @@ def bf16_speedup(device: str = "cpu") -> float:
         return 0.0
 
 
-def resolve_bf16(setting: bool | str, device: str = "cpu") -> tuple[bool, str]:
+def resolve_bf16(setting: bool | str, device: str = "cpu", recorded: bool | None = None) -> tuple[bool, str]:
     """The precision ``trainer.bf16`` means on this machine.
 
     Args:
         setting: ``True`` / ``False`` (as asked), or ``"auto"``: bf16 when
             :func:`bf16_speedup` >= :data:`BF16_MIN_SPEEDUP`.
         device: The trainer's device.
+        recorded: ``"auto"``'s choice made earlier in the same run (a resume:
+            :func:`conveyor.rundir.recorded_bf16`), used as it is instead of measuring again (the
+            measured speed-up is noisy, 1.48-3.48x on one machine, so a new measurement could flip
+            the precision between the segments of a run). Ignored for ``True`` / ``False``.
 
     Returns:
         ``(use_bf16, reason)``; ``reason`` is a one-line explanation for the run's log.
@@ -74,6 +78,9 @@ def resolve_bf16(setting: bool | str, device: str = "cpu") -> tuple[bool, str]:
         return setting, f"trainer.bf16={str(setting).lower()}"
     if setting != "auto":
         raise ValueError(f"trainer.bf16 must be true, false or auto, got {setting!r}")
+    if recorded is not None:
+        return bool(recorded), (f"trainer.bf16=auto: bf16 autocast {'on' if recorded else 'off'}, the choice "
+                                "made at the run's start (its precision event), kept on resume without measuring")
     s = bf16_speedup(device)
     use = s >= BF16_MIN_SPEEDUP
     return use, (f"trainer.bf16=auto: bf16 autocast {'on' if use else 'off'} (a bf16 matrix "

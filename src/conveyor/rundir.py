@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,7 +36,14 @@ from conveyor.checkpoint import (
 from conveyor.config import TrainConfig, load_config
 from conveyor.preflight import check_prompt_lengths, config_warnings, require_samples
 from conveyor.prompts import resolve_instruction
-from conveyor.runlog import FailureCounter, MetricsLogger, supersede_after
+from conveyor.runlog import (
+    EVENTS,
+    FailureCounter,
+    MetricsLogger,
+    read_jsonl,
+    supersede_after,
+    supersede_events,
+)
 from conveyor.runtime_files import LOCK_FILE, RunLock
 from conveyor.shutdown import Interrupts
 
@@ -125,14 +133,21 @@ def check_resume_compatible(run_dir: Path, cfg: TrainConfig) -> None:
             )
 
 
+# what a run writes into its directory before its logs (a process that stopped there left only these)
+RUN_START_FILES = frozenset({LOCK_FILE, "config.json"})
+
+
 def check_new_run_dir(run_dir: Path) -> None:
     """Refuse a directory that a new run cannot use, creating nothing: one that already holds a
-    run (``metrics.jsonl`` or a checkpoint: resume it, or pick another ``run.dir``) or that a
-    running process holds (its ``run.lock``). Called before the model is loaded, and again when
-    the directory is made (a process may have started on it meanwhile).
+    run (``metrics.jsonl`` or a checkpoint: resume it, or pick another ``run.dir``), that a
+    running process holds (its ``run.lock``), or that is not a conveyor run directory and not
+    empty (other files: the run's files would be mixed into them). An empty directory, or one
+    holding only :data:`RUN_START_FILES`, is used. Called before the model is loaded, and again
+    when the directory is made (a process may have started on it meanwhile).
 
     Raises:
-        FileExistsError: the directory holds a run (the message gives the resume command).
+        FileExistsError: the directory holds a run (the message gives the resume command), or
+            other files (the message names a few).
         conveyor.runtime_files.RunDirInUseError: a running process holds its lock (the message
             names its PID).
     """
@@ -143,6 +158,14 @@ def check_new_run_dir(run_dir: Path) -> None:
         )
     if (run_dir / LOCK_FILE).is_file():  # probe the lock (only an existing lock file: nothing is created)
         RunLock(run_dir).acquire().release()
+    other = sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_START_FILES) if run_dir.is_dir() else []
+    if other:
+        shown = ", ".join(other[:5]) + (f" and {len(other) - 5} more" if len(other) > 5 else "")
+        raise FileExistsError(
+            f"run.dir={run_dir} is not empty and is not a conveyor run directory (it holds {shown}; no "
+            "metrics.jsonl or checkpoints/): a run would write its files among them; choose a new or empty "
+            "directory"
+        )
 
 
 # ---------------------------------------------------------------------- run-directory protocol
@@ -240,6 +263,51 @@ def prepare_resume(run_dir: Path, version: int) -> dict:
     superseded = {k: v for k, v in supersede_after(run_dir, version).items() if v}
     (run_dir / "summary.json").unlink(missing_ok=True)
     return {"cleaned": cleaned, "superseded_rows": superseded}
+
+
+def restart_eval_before(run_dir: Path, cfg: TrainConfig) -> str:
+    """What a run started again in place (``--resume`` of a run with no checkpoint yet) does with
+    the ``eval_before.json`` of its first process. It starts from the same initial policy, so the
+    evaluation is kept and reused when it measured that policy: the file reads back and
+    ``model.seed`` is the run's (``model.name`` and, while the file exists, the held-out settings
+    cannot change: :func:`check_resume_compatible`). Otherwise the file is removed (the evaluation
+    runs again) and its ``eval`` events in ``events.jsonl`` are marked superseded, so the log holds
+    one valid "before" evaluation either way.
+
+    Returns:
+        ``"reused"``, ``"removed"`` (with the reason after a colon) or ``"none"`` (no file).
+
+    Raises:
+        RunFileError: ``events.jsonl`` could not be rewritten.
+    """
+    p = run_dir / "eval_before.json"
+    if not p.is_file():
+        return "none"
+    saved_seed = load_config(run_dir / "config.json").model.seed
+    try:
+        ok = isinstance(json.loads(p.read_text()).get("pass_at_1"), int | float)
+    except (OSError, ValueError, AttributeError):
+        ok = False
+    if ok and saved_seed == cfg.model.seed:
+        return "reused"
+    why = "unreadable" if not ok else f"model.seed changed ({saved_seed} -> {cfg.model.seed}): another initial policy"
+    supersede_events(run_dir, lambda row: row.get("event") == "eval" and row.get("label") == "before",
+                     {"restart": True, "reason": f"eval_before.json {why}; measured again", "time": time.time()})
+    p.unlink()
+    return f"removed: {why}"
+
+
+def recorded_bf16(run_dir: Path) -> bool | None:
+    """The choice ``trainer.bf16=auto`` made for this run: the ``bf16`` of the first ``precision``
+    event in ``events.jsonl`` that auto decided (``requested == "auto"``; events written before
+    that field: a note starting ``trainer.bf16=auto``). A resume keeps it rather than measuring
+    again (:func:`conveyor.hardware.resolve_bf16`). None: no such event (the run never chose)."""
+    for row in read_jsonl(run_dir / EVENTS):
+        if row.get("event") != "precision" or not isinstance(row.get("bf16"), bool):
+            continue
+        if row.get("requested", "auto" if str(row.get("note", "")).startswith("trainer.bf16=auto") else None) == "auto":
+            return row["bf16"]
+    return None
 
 
 def preflight_samples(cfg: TrainConfig, train_samples, heldout, tokenizer, policy):

@@ -426,22 +426,43 @@ def supersede_after(run_dir: str | Path, version: int) -> dict[str, int]:
                 f.flush()
                 os.fsync(f.fileno())
             atomic_write_text(p, "".join(line + "\n" for line in kept), what=f"{p}")
-    p = run_dir / EVENTS
-    if p.is_file():
-        rows, n = [], 0
-        for line, row in _parse_lines(p.read_text()):
-            if row is None:
-                row = {"event": "unparseable", "raw": line, "superseded": mark}
-                n += 1
-            elif (not row.get("superseded") and isinstance(row.get("version"), int)
-                  and row["version"] > version):
-                row = {**row, "superseded": mark}
-                n += 1
-            rows.append(row)
-        counts[EVENTS] = n
-        if n:
-            atomic_write_text(p, "".join(json.dumps(r) + "\n" for r in rows), what=f"{p}")
+    if (run_dir / EVENTS).is_file():
+        counts[EVENTS] = supersede_events(
+            run_dir, lambda row: isinstance(row.get("version"), int) and row["version"] > version, mark)
     return counts
+
+
+def supersede_events(run_dir: str | Path, match: Callable[[dict], bool], mark: dict) -> int:
+    """Mark the events of ``events.jsonl`` that ``match`` as superseded (nothing is removed: it
+    is the run's history); half-written lines become ``{"event": "unparseable", "raw": <text>,
+    "superseded": mark}``. Events already superseded are left as they are.
+
+    Args:
+        run_dir: The run directory (a missing ``events.jsonl`` gives 0).
+        match: ``event row -> bool``: the events to supersede.
+        mark: The ``"superseded"`` field's value (why, when).
+
+    Returns:
+        How many rows were marked.
+
+    Raises:
+        RunFileError: the rewrite failed (e.g. a full disk); the file is then unchanged.
+    """
+    p = Path(run_dir) / EVENTS
+    if not p.is_file():
+        return 0
+    rows, n = [], 0
+    for line, row in _parse_lines(p.read_text()):
+        if row is None:
+            row = {"event": "unparseable", "raw": line, "superseded": mark}
+            n += 1
+        elif not row.get("superseded") and match(row):
+            row = {**row, "superseded": mark}
+            n += 1
+        rows.append(row)
+    if n:
+        atomic_write_text(p, "".join(json.dumps(r) + "\n" for r in rows), what=f"{p}")
+    return n
 
 
 def read_jsonl(path: str | Path, *, by_step: bool = False,

@@ -46,6 +46,8 @@ from conveyor.rundir import (
     finished_result,
     preflight_samples,
     prepare_resume,
+    recorded_bf16,
+    restart_eval_before,
 )
 from conveyor.runlog import MetricsLogger, next_segment, plot_report, require_wandb, segment_summary
 from conveyor.runtime.inline import (
@@ -216,8 +218,11 @@ def _load_job(cfg: TrainConfig, start: _Start, console) -> _Job:
     heldout = load_dataset(cfg.data.heldout, split_seed=cfg.data.split_seed, limit=cfg.data.heldout_limit) if cfg.data.heldout else []
     lm = load_model(cfg.model.name, seed=cfg.model.seed)
     train_samples, heldout, n_too_long, warnings = preflight_samples(cfg, train_samples, heldout, lm.tokenizer, lm.model)
+    # a resume keeps trainer.bf16=auto's first choice (a new measurement could flip the precision)
+    bf16_choice = recorded_bf16(start.run_dir) if start.run_dir is not None else None
     trainer = Trainer(lm.model, cfg.trainer, cfg.loss, temperature=cfg.rollout.temperature, proximal_cfg=cfg.proximal,
-                      eta=cfg.asynchronous.eta, max_new_tokens=cfg.rollout.max_new_tokens, critic_cfg=cfg.critic)
+                      eta=cfg.asynchronous.eta, max_new_tokens=cfg.rollout.max_new_tokens, critic_cfg=cfg.critic,
+                      bf16_choice=bf16_choice)
     job = _Job(trainer, lm.tokenizer, reward_fn, train_samples, heldout, n_too_long, warnings, engine_threads)
     if start.ckpt is not None:
         trainer.load_state_dict(torch.load(start.ckpt / "trainer.pt", weights_only=False))
@@ -231,8 +236,8 @@ def _load_job(cfg: TrainConfig, start: _Start, console) -> _Job:
                           f"--resume {start.run_dir} trainer.total_steps=N")
     if start.ckpt is not None or start.restart_in_place:  # every row logged after it is superseded
         job.resumed = prepare_resume(start.run_dir, trainer.log_step)
-    if start.restart_in_place:
-        (start.run_dir / "eval_before.json").unlink(missing_ok=True)
+    if start.restart_in_place:  # the same initial policy: its evaluation is reused if it measured it
+        job.resumed["eval_before"] = restart_eval_before(start.run_dir, cfg)
     return job
 
 
@@ -258,7 +263,8 @@ def _open_logs(cfg: TrainConfig, run_dir: Path, start: _Start, job: _Job, consol
     else:  # e.g. dis / ppo: the ratio's denominator is the behaviour policy, proximal.* is unused
         logger.event("proximal", method="none", requested=cfg.proximal.method,
                      note=f"loss.name={cfg.loss.name} uses no proximal policy", extra_bytes=0)
-    logger.event("precision", bf16=trainer.bf16, note=trainer.precision_note)  # trainer.bf16=auto's choice
+    logger.event("precision", bf16=trainer.bf16, requested=cfg.trainer.bf16,  # trainer.bf16=auto's choice:
+                 note=trainer.precision_note)  # kept on resume (recorded_bf16)
     if trainer.critic is not None:
         logger.event("critic", note=trainer.critic_note, warmup_done=trainer.critic_warmup_done,
                      warmup_steps=cfg.critic.warmup_steps)
@@ -319,15 +325,20 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
 
 def _eval_before(cfg, start: _Start, job: _Job, parts: RolloutSide, logger, run_dir: Path, console,
                  ctx: RunContext, progress: bool) -> float | None:
-    """Held-out pass@1 before training: evaluated on a fresh run, read back on a resume."""
-    if job.heldout and cfg.run.eval_before and start.ckpt is None:
+    """Held-out pass@1 before training: evaluated on a fresh run, read back on a resume (and on a
+    run started again in place whose first process measured it: :func:`restart_eval_before`)."""
+    reused = start.restart_in_place and (run_dir / "eval_before.json").is_file()
+    if reused:
+        console.print(f"held-out evaluation before training: reusing {run_dir / 'eval_before.json'} (the same "
+                      "initial policy)")
+    if job.heldout and cfg.run.eval_before and start.ckpt is None and not reused:
         ctx.phase = "the held-out evaluation before training"
         console.print(f"held-out evaluation before training ({len(job.heldout)} problems of {cfg.data.heldout}, greedy)")
         res = heldout_eval(parts.engine, job.tokenizer, cfg, job.heldout, "before", logger, run_dir, progress,
                            parts.reward_service, evaluate_fn=parts.evaluate, version=job.trainer.version)
         console.print(f"  pass@1 before: [bold]{res.pass_at_1:.3f}[/]  format rate {res.format_rate:.3f}  ({res.wall_seconds:.0f} s)")
         return res.pass_at_1
-    if start.ckpt is not None and (run_dir / "eval_before.json").is_file():
+    if (start.ckpt is not None or reused) and (run_dir / "eval_before.json").is_file():
         return json.loads((run_dir / "eval_before.json").read_text())["pass_at_1"]
     return None
 

@@ -80,7 +80,9 @@ Guess-the-number (``guess``): ``size`` games (default 200) whose secret, in ``an
 uniformly from ``[1, high]`` (default 100) by ``random.Random(seed)`` (default 0;
 :func:`conveyor.envs.guess.guess_samples`); ``guess:heldout`` uses ``seed +
 RG_HELDOUT_SEED_OFFSET``. The question states the range; ``metadata["high"]`` carries it to the
-environment (:class:`conveyor.envs.guess.GuessNumberEnv`). No instruction is appended.
+environment (:class:`conveyor.envs.guess.GuessNumberEnv`). No instruction is appended. With
+``env.name=guess`` an explicit ``env.options.high`` is written into a guess spec without ``high=``
+(``guess:train`` -> ``guess:train?high=10``; :func:`conveyor.envs.guess.guess_spec_for`).
 
 Ids. ``Sample.id = f"{spec_without_query}/{row}"`` with ``row`` the 0-based position of the row in
 its source file (JSONL: line number - 1, so ids do not move when a malformed row is skipped);
@@ -1023,7 +1025,7 @@ GUESS_DEFAULT_SIZE: int = 200
 
 def _load_guess(spec: str, base: str, query: str) -> list[_Item]:
     """``guess[:train|:heldout][?size=N&high=H&seed=S]`` (module docstring)."""
-    from conveyor.envs.guess import guess_samples
+    from conveyor.envs.guess import GUESS_DEFAULT_HIGH, guess_samples
 
     name, part = _split_part(base)
     if name != "guess":
@@ -1033,7 +1035,7 @@ def _load_guess(spec: str, base: str, query: str) -> list[_Item]:
     if unknown:
         raise DatasetError(f"dataset spec {spec!r}: unknown option(s) {', '.join(unknown)}; valid: size, high, seed")
     size = options.get("size", GUESS_DEFAULT_SIZE)
-    high = options.get("high", 100)
+    high = options.get("high", GUESS_DEFAULT_HIGH)
     seed = options.get("seed", 0)
     for key, value, low in (("size", size, 1), ("high", high, 1), ("seed", seed, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:

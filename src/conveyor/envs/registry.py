@@ -8,7 +8,9 @@
 * ``guess``: :class:`~conveyor.envs.guess.GuessNumberEnv`, guess-the-number with per-turn
   feedback and rewards; ``env.options`` are its arguments (``high``, ``max_guesses``,
   ``shaping``). Its data are the ``guess:`` specs (``data.train`` / ``data.heldout`` default to
-  ``guess:train`` / ``guess:heldout`` with this environment).
+  ``guess:train`` / ``guess:heldout`` with this environment); an explicit ``high`` is written into
+  them (``guess:train?high=10``, :func:`conveyor.envs.guess.guess_spec_for`: the option wins over
+  the spec's default range, a spec with another ``high=`` is an error).
 * ``math_python``: :class:`~conveyor.envs.math_python.MathPythonEnv`, maths with the sandboxed
   python tool on any maths data set (``data.train``, default ``mawps:singleop:train``); the
   final answer is graded in the run's reward service; ``env.sandbox.*`` set the sandbox's

@@ -30,7 +30,9 @@ Trajectory metadata: ``turns`` (model turns), ``tool_calls`` (observations appen
 ``env_done`` (the environment ended the episode; False: a limit cut it), ``env_info`` (the
 last step's ``info``), ``env_stats`` (``episode_stats()``, when the environment has it), and,
 lifted from the last ``info`` for the run's metrics, ``format_ok``, ``reward_failed`` and
-``reward_error``.
+``reward_error``. ``Trajectory.correct`` is the last ``info["correct"]``; an episode that a limit
+cut before the environment gave a verdict ended without an answer and is wrong (``False``), never
+unknown (``None`` is kept for a verdict that could not be computed, e.g. a grader timeout).
 The episode's trajectories go to the controller like any group: the staleness unit is the
 episode's responses, whatever their number of turns.
 """
@@ -139,6 +141,8 @@ class AgentWorkflow:
     def _trajectory(self, sample: Sample, group_id: str, out: GenerationOutput, turns, info, done: bool,
                     stats: dict | None) -> Trajectory:
         correct = info.get("correct")
+        if correct is None and not done:  # cut by max_turns / max_total_tokens: no answer, so wrong
+            correct = False
         fmt = info.get("format_ok")
         metadata = {"turns": len(turns), "tool_calls": out.tool_calls, "env_done": done, "env_info": info,
                     "num_interruptions": out.num_interruptions,

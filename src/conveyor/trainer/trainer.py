@@ -174,17 +174,21 @@ class Trainer:
         max_new_tokens: Default constant of ``loss.aggregation = constant`` (tokens).
         critic_cfg: The value model's settings, used when ``loss_cfg.advantage == "gae"``
             (default :class:`~conveyor.config.CriticConfig`).
+        bf16_choice: ``trainer.bf16=auto``'s choice made earlier in this run (a resume keeps it:
+            :func:`conveyor.rundir.recorded_bf16`), used instead of measuring; None: measure
+            (:func:`conveyor.hardware.resolve_bf16`). Ignored when ``trainer.bf16`` is true / false.
 
     The trainer never shares its parameters: :meth:`weight_update` returns copies.
     """
 
     def __init__(self, model: torch.nn.Module, trainer_cfg: TrainerConfig, loss_cfg: LossConfig, *, temperature: float = 1.0,
                  version: int = 0, proximal_cfg: ProximalConfig | None = None, eta: int | None = None,
-                 max_new_tokens: int | None = None, critic_cfg: CriticConfig | None = None):
+                 max_new_tokens: int | None = None, critic_cfg: CriticConfig | None = None,
+                 bf16_choice: bool | None = None):
         self.model = model
         self.cfg = trainer_cfg
         # bf16 autocast where the hardware makes it faster (trainer.bf16=auto, conveyor.hardware)
-        self.bf16, self.precision_note = resolve_bf16(trainer_cfg.bf16, "cpu")
+        self.bf16, self.precision_note = resolve_bf16(trainer_cfg.bf16, "cpu", recorded=bf16_choice)
         log.info(self.precision_note)
         self.loss_cfg = loss_cfg
         self.temperature = temperature if temperature > 0 else 1.0
