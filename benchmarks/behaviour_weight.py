@@ -4,7 +4,8 @@ log-probs must equal the engine's, whatever top-p / top-k / min-p the engine sam
 Usage: python benchmarks/behaviour_weight.py [--model smollm2-135m-instruct] [--updates 3]
        [--batch-size 2] [--group-size 4] [--max-new-tokens 64] [--temperature 0.6]
        [--top-p 1.0,0.9,0.5] [--top-k 0,20] [--min-p 0] [--lr 1e-7] [--kl-coef 0]
-       [--fp32] [--threads 2] [--no-replay | --compare] [--quick] [--output FILE.json]
+       [--fp32] [--threads 2] [--engine-dtype float32|bfloat16] [--no-replay | --compare] [--quick]
+       [--output FILE.json]
 
 For every cell (top_p x top_k x min_p) a fresh trainer and engine (copies of the same initial
 weights) run ``--updates`` synchronous updates (``async.eta=0``: every token is sampled by the
@@ -118,6 +119,7 @@ def run_cell(
         max_batch_size=rc.max_batch_size,
         seed=cfg.run.seed,
         num_threads=threads,
+        dtype=getattr(torch, rc.engine_dtype),  # rollout.engine_dtype (--engine-dtype)
     )
     params = SamplingParams(
         max_new_tokens=rc.max_new_tokens,
@@ -275,6 +277,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--bf16", action="store_true",
                     help="trainer.bf16=true (default: auto, bf16 where the CPU computes it fast)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--engine-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="rollout.engine_dtype: the engine's weights (bfloat16: faster decoding, wider spread)")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument(
         "--no-replay", action="store_true", help="drop the sampling masks (the old defect)"
@@ -324,6 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"rollout.temperature={args.temperature}",
             f"loss.kl_coef={args.kl_coef}",
             f"trainer.bf16={'false' if args.fp32 else ('true' if args.bf16 else 'auto')}",
+            f"rollout.engine_dtype={args.engine_dtype}",
         ],
     )
     samples = load_dataset(cfg.data.train, split_seed=cfg.data.split_seed)[
@@ -365,6 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
         "batch": [args.batch_size, args.group_size],
         "max_new_tokens": args.max_new_tokens,
         "lr": args.lr,
+        "engine_dtype": cfg.rollout.engine_dtype,
         "bf16": cfg.trainer.bf16,  # as configured ("auto" is resolved by the trainer, see its log)
         "kl_coef": cfg.loss.kl_coef,
         "cells": cells,

@@ -2,7 +2,8 @@
 batches, same model, prompts, threads and response lengths (issue 5, bar >= 2x tokens/s).
 
 Usage: python benchmarks/engine.py [--model smollm2-135m-instruct|tiny] [--requests 64]
-       [--max-batch 32] [--threads 1] [--quick] [--output FILE.json]
+       [--max-batch 32] [--threads 1] [--dtype float32|bfloat16] [--baseline] [--quick]
+       [--output FILE.json]
 
 Response lengths are drawn from a long-tailed distribution (log-normal, median ``--median``
 tokens, sigma ``--sigma``, capped at ``--max-len``): many short responses and a few long ones, as
@@ -12,12 +13,18 @@ arrive at t = 0. The HF side runs static batches of ``--max-batch`` requests in 
 each batch decodes until its longest request is done, so only the requested tokens count as
 useful. Latency = time from t = 0 until a request's response is complete.
 
-Prints one JSON line with tokens/s of both, their ratio (engine / HF) and latency percentiles (s).
+``--dtype bfloat16`` runs the engine with bf16 weights (``rollout.engine_dtype``); ``--baseline``
+also runs today's engine settings (float32) on the same requests in the same process, so the
+speed-up is a ratio measured in one run (issue 16). The HF side always runs float32.
+
+Prints one JSON line with tokens/s of both, their ratio (engine / HF), the baseline engine's
+tokens/s and the ratio engine / baseline when asked, and latency percentiles (s).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -48,6 +55,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the response length")
     ap.add_argument("--max-len", type=int, default=256, help="longest response (tokens)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the engine's weights (rollout.engine_dtype); the HF side stays float32")
+    ap.add_argument("--baseline", action="store_true",
+                    help="also run today's engine settings (float32) on the same requests: ratio in one run")
     ap.add_argument("--quick", action="store_true", help="tiny model, 16 requests, short responses (CI smoke run)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
@@ -59,8 +70,6 @@ def main(argv: list[str] | None = None) -> dict:
     from conveyor.data import load_dataset
     from conveyor.models import load_model
     from conveyor.prompts import build_prompt_ids
-    from conveyor.rollout.engine import InferenceEngine, SamplingParams
-
     torch.set_num_threads(args.threads)
     lm = load_model(args.model)
     model, tok = lm.model.eval(), lm.tokenizer
@@ -72,22 +81,18 @@ def main(argv: list[str] | None = None) -> dict:
     useful = sum(lengths)
 
     # --- conveyor engine: all requests at once, continuous batching
-    engine = InferenceEngine(model, tok, max_batch_size=args.max_batch, seed=args.seed, num_threads=args.threads)
-    engine.start()
-    try:
-        engine.generate_batch(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.7))  # warm-up
-        t0 = time.perf_counter()
-        futs = [engine.submit(p, SamplingParams(max_new_tokens=n, temperature=0.7, ignore_eos=True)) for p, n in zip(prompts, lengths, strict=True)]
-        done_at = [0.0] * len(futs)
-        for i, f in enumerate(futs):
-            f.add_done_callback(lambda _f, i=i: done_at.__setitem__(i, time.perf_counter() - t0))
-        outs = [f.result() for f in futs]
-        eng_wall = time.perf_counter() - t0
-    finally:
-        engine.stop()
+    dtype = getattr(torch, args.dtype)
+    eng_model = copy.deepcopy(model) if dtype != torch.float32 else model  # the engine casts in place
+    outs, done_at, eng_wall = _run_engine(eng_model, tok, prompts, lengths, args, dtype)
+    del eng_model
     got = [len(o.token_ids) for o in outs]
     if got != lengths:
         raise SystemExit(f"engine produced {sum(got)} tokens, expected {useful} (lengths differ)")
+    baseline = None
+    if args.baseline:  # today's engine settings (float32), same requests, same run
+        b_outs, b_done, b_wall = _run_engine(model, tok, prompts, lengths, args, torch.float32)
+        baseline = {"dtype": "float32", "tokens_per_s": useful / b_wall, "wall_s": b_wall,
+                    "latency_s": _percentiles(b_done), "ratio_engine_over_baseline": b_wall / eng_wall}
 
     # --- transformers generate, static batches in arrival order
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -108,6 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
         hf_wall = time.perf_counter() - t0
     res = {
         "model": args.model, "requests": len(prompts), "max_batch": args.max_batch, "threads": args.threads,
+        "engine_dtype": args.dtype, "baseline": baseline,
         "useful_tokens": useful, "length_mean": statistics.fmean(lengths), "length_p50": sorted(lengths)[len(lengths) // 2],
         "length_max": max(lengths),
         "engine_tokens_per_s": useful / eng_wall, "hf_tokens_per_s": useful / hf_wall,
@@ -121,6 +127,31 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.output, "w") as f:
             json.dump(res, f, indent=2)
     return res
+
+
+def _run_engine(model, tok, prompts, lengths, args, dtype):
+    """All requests at t = 0 through one :class:`InferenceEngine` (weights cast to ``dtype``):
+    ``(outputs, completion time of each request (s from t = 0), wall seconds)``."""
+    import torch
+
+    from conveyor.rollout.engine import InferenceEngine, SamplingParams
+
+    engine = InferenceEngine(model, tok, max_batch_size=args.max_batch, seed=args.seed, num_threads=args.threads,
+                             dtype=None if dtype == torch.float32 else dtype)
+    engine.start()
+    try:
+        engine.generate_batch(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.7))  # warm-up
+        t0 = time.perf_counter()
+        futs = [engine.submit(p, SamplingParams(max_new_tokens=n, temperature=0.7, ignore_eos=True))
+                for p, n in zip(prompts, lengths, strict=True)]
+        done_at = [0.0] * len(futs)
+        for i, f in enumerate(futs):
+            f.add_done_callback(lambda _f, i=i: done_at.__setitem__(i, time.perf_counter() - t0))
+        outs = [f.result() for f in futs]
+        wall = time.perf_counter() - t0
+    finally:
+        engine.stop()
+    return outs, done_at, wall
 
 
 def _hf_batch(model, batch: list[list[int]], n: int, pad: int) -> int:

@@ -27,8 +27,11 @@ def _run(script: str, *args: str) -> dict:
 
 
 def test_engine_benchmark_quick():
-    r = _run("engine.py")
-    assert r["model"] == "tiny" and r["requests"] == 16
+    r = _run("engine.py", "--dtype", "bfloat16", "--baseline")
+    assert r["model"] == "tiny" and r["requests"] == 16 and r["engine_dtype"] == "bfloat16"
+    b = r["baseline"]  # today's float32 engine on the same requests, same run
+    assert b["dtype"] == "float32" and b["ratio_engine_over_baseline"] == pytest.approx(b["wall_s"] / r["engine_wall_s"])
+    assert b["tokens_per_s"] == pytest.approx(r["useful_tokens"] / b["wall_s"])
     assert r["useful_tokens"] == pytest.approx(r["length_mean"] * r["requests"])
     # static batches decode every row to the batch's longest request: never fewer tokens than useful
     assert r["hf_generated_tokens_incl_waste"] >= r["useful_tokens"]

@@ -310,6 +310,56 @@ def test_max_batch_size_queues_requests(ref):
         assert [len(f.result().token_ids) for f in futs] == [30] * 4
 
 
+def test_waiting_queue_serves_lower_priority_first_fifo_among_equals(ref):
+    """One slot (max_batch_size=1), six requests queued before the decode thread starts: they
+    finish in ascending priority, in submission order among equal priorities, and the tokens
+    of each request do not depend on when it ran (its random stream is fixed at submission)."""
+    _, _, prompts = ref
+    sp = SamplingParams(max_new_tokens=5, temperature=1.0)
+    prios = [5, 1, 5, 0, 1, 5]
+
+    def run(priorities):
+        model, tok = fresh_model()
+        eng = InferenceEngine(model, tok, max_batch_size=1, seed=3, num_threads=1)
+        order: list[int] = []
+        futs = []
+        for i, pr in enumerate(priorities):
+            f = eng.submit(prompts[i % len(prompts)], sp, priority=pr)
+            f.add_done_callback(lambda _f, i=i: order.append(i))
+            futs.append(f)
+        assert eng.stats()["waiting"] == len(priorities)
+        with eng:
+            outs = [f.result(timeout=60) for f in futs]
+        return order, [o.token_ids for o in outs]
+
+    order, tokens = run(prios)
+    assert order == [3, 1, 4, 0, 2, 5]
+    fifo_order, fifo_tokens = run([0] * len(prios))
+    assert fifo_order == [0, 1, 2, 3, 4, 5]
+    assert tokens == fifo_tokens
+    with pytest.raises(TypeError, match="priority must be an int"):
+        InferenceEngine(*fresh_model(), num_threads=1).submit(prompts[0], sp, priority=0.5)
+
+
+def test_set_num_threads_changes_the_decode_thread_only_between_steps(ref):
+    _, _, prompts = ref
+    model, tok = fresh_model()
+    before = torch.get_num_threads()
+    with InferenceEngine(model, tok, max_batch_size=2, num_threads=1) as eng:
+        eng.generate_batch(prompts[:1], SamplingParams(max_new_tokens=2))
+        assert eng.stats()["num_threads"] == 1 and eng.stats()["thread_changes"] == 0
+        eng.set_num_threads(2)
+        eng.generate_batch(prompts[:1], SamplingParams(max_new_tokens=2))
+        assert eng.stats()["num_threads"] == 2 and eng.stats()["thread_changes"] == 1
+        eng.set_num_threads(2)  # unchanged: nothing applied
+        eng.set_num_threads(1)
+        eng.generate_batch(prompts[:1], SamplingParams(max_new_tokens=2))
+        assert eng.stats()["num_threads"] == 1 and eng.stats()["thread_changes"] == 2
+        with pytest.raises(ValueError, match="num_threads must be an int >= 1"):
+            eng.set_num_threads(0)
+    assert torch.get_num_threads() == before  # the caller's threads never change
+
+
 # ------------------------------------------------------------------ stop conditions
 
 

@@ -46,8 +46,15 @@ def test_inference_engine_satisfies_the_protocol():
             want, got = want.fget, got.fget
         assert callable(got), name
         assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(want), name
-        # parameters (names, kinds, defaults, annotations) and the return annotation
-        assert inspect.signature(got) == inspect.signature(want), name
+        # parameters (names, kinds, defaults, annotations) and the return annotation; an optional
+        # capability may add keyword-only parameters with defaults (generate's priority)
+        sg, sw = inspect.signature(got), inspect.signature(want)
+        extra = [p for n, p in sg.parameters.items() if n not in sw.parameters]
+        assert all(p.kind is p.KEYWORD_ONLY and p.default is not p.empty for p in extra), name
+        trimmed = sg.replace(parameters=[p for n, p in sg.parameters.items() if n in sw.parameters])
+        assert trimmed == sw, name
+    assert [n for n in inspect.signature(InferenceEngine.generate).parameters if n not in
+            inspect.signature(Engine.generate).parameters] == ["priority"] and InferenceEngine.supports_priority
 
 
 def test_an_object_missing_a_member_is_not_an_engine():

@@ -72,7 +72,8 @@ def test_ray_run_starts_its_own_cluster_trains_evaluates_and_checkpoints(tmp_pat
     if ray.is_initialized():  # this run must start (and stop) a cluster of its own
         ray.shutdown()
     run = tmp_path / "r"
-    cfg = load_config(None, BASE + RAY + ["trainer.total_steps=3", "async.eta=1", f"run.dir={run}"])
+    cfg = load_config(None, BASE + RAY + ["trainer.total_steps=3", "async.eta=1", f"run.dir={run}",
+                                          "rollout.engine_dtype=bfloat16", "rollout.priority=oldest_first"])
     res = run_training(cfg)
     assert res.steps == 3 and not res.interrupted
     assert not ray.is_initialized()  # the local cluster the run started is gone
@@ -97,7 +98,8 @@ def test_ray_run_starts_its_own_cluster_trains_evaluates_and_checkpoints(tmp_pat
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["heldout_before"] is not None
     assert summary["controller"]["rollout/episodes_accepted"] >= 6
-    assert json.loads((run / "engine_stats.json").read_text())["generated_tokens"] > 0
+    engine_stats = json.loads((run / "engine_stats.json").read_text())
+    assert engine_stats["generated_tokens"] > 0 and engine_stats["dtype"] == "bfloat16"
 
 
 def test_eta_zero_ray_trains_on_the_same_batches_with_the_same_loss_as_inline(tmp_path, cluster, monkeypatch):

@@ -106,10 +106,12 @@ def test_an_overlong_prompt_is_skipped_counted_and_never_retried(tmp_path):
     cfg = load_config(
         None,
         FAST
-        + [f"data.train=file:{data}", "data.heldout=", f"run.dir={run}", "trainer.total_steps=3"],
+        + [f"data.train=file:{data}", "data.heldout=", f"run.dir={run}", "trainer.total_steps=3",
+           "rollout.engine_dtype=bfloat16", "rollout.priority=oldest_first"],  # (wired through, too)
     )
     res = run_training(cfg)
     assert res.steps == 3
+    assert json.loads((run / "engine_stats.json").read_text())["dtype"] == "bfloat16"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(r["rollout/prompts_too_long"] == 1 for r in rows)
     assert all(r["rollout/episodes_failed"] == 0 for r in rows)  # nothing retried or failed

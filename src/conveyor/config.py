@@ -89,6 +89,14 @@ class RolloutConfig(_Strict):
     max_concurrent: int = Field(default=64, ge=1, description="trajectories in flight at most")
     max_batch_size: int = Field(default=32, ge=1, description="engine decode batch (sequences)")
     engine_threads: int | None = Field(default=None, ge=1, description="engine intra-op threads (default: auto)")
+    elastic_threads: bool = Field(
+        default=False, description="inline runtime: while the trainer waits for a batch, the engine decodes with the "
+                                   "trainer's threads as well (given back before the update; elastic cores)")
+    engine_dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="dtype of the engine's weights and activations: bfloat16 decodes ~1.5-1.9x "
+                                       "faster where the CPU has bf16 arithmetic (avx512_bf16 / AMX) at a wider "
+                                       "behaviour-weight spread at staleness 0 (docs/results/main_job.md); logits are "
+                                       "sampled in float32 either way")
     filter_all_equal: bool = Field(default=False, description="dynamic filtering: drop groups whose rewards are all equal (DAPO)")
     max_filtered_in_a_row: int = Field(default=64, ge=1, description="stop refilling after this many consecutively filtered groups and report")
     env_latency: EnvLatencyConfig = Field(default_factory=lambda: EnvLatencyConfig())
@@ -97,6 +105,11 @@ class RolloutConfig(_Strict):
     tool: Literal["none", "calculator"] = Field(
         default="calculator", description="calculator: results of 'a op b =' are inserted as observation tokens (not trained)")
     max_tool_calls: int = Field(default=4, ge=0, description="tool observations per response at most")
+    priority: Literal["oldest_first", "fifo"] = Field(
+        default="fifo", description="engine waiting-queue order: oldest_first serves every request of an episode "
+                                    "(each tool / agent turn too) in admission order, so older groups, the first to "
+                                    "reach the staleness bound, are not overtaken (fewer stale drops); fifo: arrival "
+                                    "order")
 
     @field_validator("tool", mode="before")
     @classmethod
@@ -500,6 +513,9 @@ class TrainConfig(_Strict):
             if not a.ratio_min <= a.ratio_base <= a.ratio_max:
                 raise ValueError(f"async.ratio_min ({a.ratio_min}) <= async.ratio_base ({a.ratio_base}) <= "
                                  f"async.ratio_max ({a.ratio_max}) is required with async.adaptive=true")
+        if self.rollout.elastic_threads and self.runtime.name != "inline":
+            raise ValueError("rollout.elastic_threads=true needs runtime.name=inline (the engine borrows the "
+                             "trainer's threads in one process; a Ray actor's engine has its own CPUs)")
         if self.rollout.max_concurrent < self.rollout.group_size:
             raise ValueError(
                 f"rollout.max_concurrent ({self.rollout.max_concurrent}) must be >= rollout.group_size ({self.rollout.group_size})"

@@ -711,6 +711,9 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
     xs, ys = series("staleness/multi_version_share")
     if ys:
         ax.plot(xs, ys, label="multi-version share")
+    xs, ys = series("rollout/dropped_stale_share")
+    if ys:  # cumulative share of accepted trajectories the buffer dropped as stale (wasted generation)
+        ax.plot(xs, ys, color="red", ls="--", label=f"dropped-stale share ({ys[-1]:.1%})")
     ax.set_title("staleness (versions, from oldest token)")
     ax.set_xlabel("policy version")
     _legend(ax)

@@ -113,6 +113,22 @@ class ControllerStats:
     last_error: str | None = None
 
 
+class _PrioritisedEngine:
+    """The engine as one episode sees it: every ``generate`` call carries the episode's
+    priority (its admission sequence), everything else is the engine itself. Workflows,
+    tools and agents call ``engine.generate(ids, params)`` unchanged."""
+
+    def __init__(self, engine, priority: int) -> None:
+        self._engine = engine
+        self._priority = priority
+
+    async def generate(self, prompt_ids, params=None):
+        return await self._engine.generate(prompt_ids, params, priority=self._priority)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
 class RolloutController:
     """Runs episodes continuously under the staleness bound.
 
@@ -136,10 +152,23 @@ class RolloutController:
             is dropped for good (its prompt fills the model's context: ``PromptTooLongError``);
             the sample is never served again (``DataStream.skip``, checkpointed) and counted in
             ``prompts_too_long``.
+        priority: ``"oldest_first"``: every engine request of an episode (each turn of a tool
+            or agent episode too) carries the episode's admission sequence as its priority, so
+            the engine's waiting queue serves episodes in admission order and a group admitted
+            earlier -- the first to reach the staleness bound -- is not overtaken by younger
+            ones (earliest deadline first; docs/results/main_job.md). Needs an engine with
+            ``supports_priority`` (others run FIFO). ``"fifo"``: requests in arrival order (a
+            tool call's next turn queues behind every request submitted meanwhile).
+
+    Raises:
+        ValueError: ``priority`` is not ``"oldest_first"`` or ``"fifo"``.
     """
 
     def __init__(self, engine, workflow: RolloutWorkflow, data: DataStream, staleness: StalenessManager, buffer: TrajectoryBuffer, *, group_size: int, filter_all_equal: bool = False, max_filtered_in_a_row: int = 64, version: int = 0,
-                 max_failed_in_a_row: int = 100, on_skip=None):
+                 max_failed_in_a_row: int = 100, on_skip=None, priority: str = "fifo"):
+        if priority not in ("oldest_first", "fifo"):
+            raise ValueError(f"priority must be 'oldest_first' or 'fifo', got {priority!r}")
+        self.priority = priority if getattr(engine, "supports_priority", False) else "fifo"
         self.max_failed_in_a_row = max_failed_in_a_row
         self.on_skip = on_skip
         self._failed_in_a_row = 0
@@ -347,7 +376,8 @@ class RolloutController:
     async def _episode(self, eid: int, sample: Sample) -> None:
         G = self.group_size
         try:
-            group = await self.workflow.run_episode(self.engine, sample)
+            engine = self.engine if self.priority == "fifo" else _PrioritisedEngine(self.engine, eid)
+            group = await self.workflow.run_episode(engine, sample)
         except asyncio.CancelledError:
             raise  # stopping: the sample stays in _inflight and is re-queued by snapshot()
         except PromptTooLongError as e:  # retrying can never help: drop the sample for good
@@ -425,8 +455,9 @@ class RolloutController:
         self._poke()
 
     def counters(self) -> dict[str, float]:
-        """Controller counters as metrics (``rollout/...``)."""
+        """Controller counters as metrics (``rollout/...``; counts are cumulative over the run)."""
         s = self.stats
+        buf = self.buffer.stats()
         return {
             "rollout/episodes_started": s.episodes_started,
             "rollout/episodes_accepted": s.episodes_accepted,
@@ -438,7 +469,9 @@ class RolloutController:
             "rollout/prompts_too_long": s.prompts_too_long,
             "rollout/running": self.staleness.running,
             "rollout/buffered": self.buffer.size(),
-            "rollout/dropped_stale": self.buffer.stats()["dropped_stale"],
+            "rollout/dropped_stale": buf["dropped_stale"],
+            # of the trajectories accepted into the buffer, the share dropped as stale (0 before any)
+            "rollout/dropped_stale_share": buf["dropped_stale"] / buf["put_trajectories"] if buf["put_trajectories"] else 0.0,
         }
 
 

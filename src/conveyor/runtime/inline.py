@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from conveyor.checkpoint import save_checkpoint
 from conveyor.config import TrainConfig
 from conveyor.data import DatasetError
@@ -188,7 +190,8 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
     engine = InferenceEngine(engine_model, tokenizer, version=trainer.version, max_batch_size=cfg.rollout.max_batch_size,
                              seed=cfg.run.seed + trainer.version, num_threads=engine_threads,
                              track_partials=tracks_partials(trainer.proximal),
-                             reencode_on_update=cfg.rollout.reencode_on_update)
+                             reencode_on_update=cfg.rollout.reencode_on_update,
+                             dtype=getattr(torch, cfg.rollout.engine_dtype))
     engine.start()
     ctx.stack.callback(engine.stop)
     reward_service = RewardService(reward_fn, timeout_s=cfg.reward.timeout_s,
@@ -211,7 +214,7 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
         with_style_schedule(DataStream(train_samples, seed=cfg.data.shuffle_seed), cfg.data, lambda: controller.version),
         staleness, buffer,
         group_size=G, filter_all_equal=cfg.rollout.filter_all_equal,
-        max_filtered_in_a_row=cfg.rollout.max_filtered_in_a_row, version=trainer.version,
+        max_filtered_in_a_row=cfg.rollout.max_filtered_in_a_row, priority=cfg.rollout.priority, version=trainer.version,
         on_skip=lambda s, why: logger.event("prompt_too_long", sample=s.id, reason=why),
     )
     ctx.stack.callback(controller.stop)
@@ -221,7 +224,10 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
     if state is not None:
         controller.restore(state["controller"], trainer.version)
     # the publish phase: the weights go to the engine, with what the proximal strategy needs
-    rollout = LocalRollout(controller, buffer)
+    # rollout.elastic_threads: the trainer's threads (this thread's intra-op count) are lent to the
+    # engine while the trainer waits for a batch
+    elastic = (engine, engine_threads, engine_threads + torch.get_num_threads()) if cfg.rollout.elastic_threads else None
+    rollout = LocalRollout(controller, buffer, elastic=elastic)
     publisher = publisher_for(trainer.proximal, engine, rollout)
     return RolloutSide(engine, reward_service, buffer, controller, rollout, publisher, B)
 

@@ -70,14 +70,28 @@ class LocalRollout:
     Args:
         controller: The rollout controller (its own asyncio thread).
         buffer: The buffer the controller fills and the staleness rule empties.
+        elastic: ``(engine, own, lent)`` (``rollout.elastic_threads``, issue 16): while
+            :meth:`next_batch` waits, the engine decodes with ``lent`` intra-op threads (its own
+            plus the waiting trainer's), and with ``own`` again once the batch is there, before
+            the update runs (:meth:`InferenceEngine.set_num_threads
+            <conveyor.rollout.engine.local.InferenceEngine.set_num_threads>`). None: fixed threads.
     """
 
-    def __init__(self, controller, buffer):
+    def __init__(self, controller, buffer, elastic: tuple | None = None):
         self.controller = controller
         self.buffer = buffer
+        self.elastic = elastic
 
     def next_batch(self, n: int, version: int, *, health=None, stop=None) -> list[Trajectory] | None:
-        batch = wait_for_batch(self.buffer, n, lambda: version, health_fn=health, stop=stop)
+        if self.elastic is None:
+            batch = wait_for_batch(self.buffer, n, lambda: version, health_fn=health, stop=stop)
+        else:  # lend the trainer's cores to the engine for the wait (a ready batch: no change at all)
+            engine, own, lent = self.elastic
+            engine.set_num_threads(lent)
+            try:
+                batch = wait_for_batch(self.buffer, n, lambda: version, health_fn=health, stop=stop)
+            finally:
+                engine.set_num_threads(own)
         return None if batch is None else self.controller.hand_out(batch)
 
     def set_version(self, version: int) -> None:

@@ -74,6 +74,7 @@ class _Request:
     max_new: int  # max_new_tokens clipped to the context length
     stop_ids: frozenset[int]
     uniforms: list[float]
+    priority: int = 0  # waiting-queue order: lower first, FIFO among equals (InferenceEngine.generate)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)

@@ -4,6 +4,7 @@ continuous batching with interruptible weight updates; see :mod:`conveyor.rollou
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import logging
 import threading
@@ -35,6 +36,10 @@ from conveyor.sync import WeightUpdate
 log = logging.getLogger("conveyor.rollout.engine")  # the name before the split: same in train.log
 
 _PREFILL_MAX_TOKENS = 8192  # padded tokens (rows x longest sequence) per prefill forward pass
+
+
+def _priority(req: _Request) -> int:
+    return req.priority
 
 
 @dataclass
@@ -74,6 +79,9 @@ class InferenceEngine:
             but the new tokens attend to keys / values of the previous version.
 
     Attributes:
+        supports_priority: True: :meth:`generate` / :meth:`submit` take ``priority`` (an
+            optional capability of the :class:`~conveyor.rollout.engine.protocol.Engine`
+            protocol that the rollout controller checks for).
         model: The model (read it only while the engine is paused or stopped; the decode thread
             runs forward passes on it and :meth:`update_weights` overwrites its weights).
         tokenizer: The tokenizer passed in.
@@ -82,6 +90,8 @@ class InferenceEngine:
         ValueError: invalid arguments, or a model with non-full-attention (sliding / linear)
             layers.
     """
+
+    supports_priority = True
 
     def __init__(
         self,
@@ -117,6 +127,7 @@ class InferenceEngine:
         if dtype is not None:
             model.to(dtype)
         model.eval()
+        self._dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.model = model
         self.tokenizer = tokenizer
         self._num_layers = int(config.num_hidden_layers)
@@ -139,6 +150,7 @@ class InferenceEngine:
         self._max_batch_size = max_batch_size
         self._seed = seed
         self._num_threads = num_threads
+        self._threads_wanted: int | None = None  # set_num_threads, applied by the decode thread
 
         self._cond = threading.Condition()
         self._model_lock = threading.Lock()
@@ -172,6 +184,7 @@ class InferenceEngine:
             weight_load_seconds=0.0,
             pause_seconds_total=0.0,
             num_threads=0,
+            thread_changes=0,  # set_num_threads applied (elastic cores)
         )
         self._track_partials = track_partials
         self._reencode_on_update = reencode_on_update
@@ -396,8 +409,9 @@ class InferenceEngine:
             ``weight_load_seconds`` (s copying weights), ``pause_seconds_total`` (s generation
             was paused by weight updates: loading plus re-encoding), ``running`` (requests in
             the running batch, including those awaiting re-encoding), ``waiting`` (queued),
-            ``version``, ``paused``, ``num_threads`` (intra-op threads of the decode thread,
-            0 before it started) and ``decode_profile`` (``{batch size: [decode steps,
+            ``version``, ``paused``, ``dtype`` (of the model's weights, e.g. ``"float32"``),
+            ``num_threads`` (intra-op threads of the decode thread now, 0 before it started),
+            ``thread_changes`` (:meth:`set_num_threads` changes applied) and ``decode_profile`` (``{batch size: [decode steps,
             seconds]}``, seconds of the decode forward passes, used with ``sample_seconds`` to
             calibrate ``conveyor simulate``).
         """
@@ -408,15 +422,18 @@ class InferenceEngine:
             out["waiting"] = len(self._waiting)
             out["version"] = self._version
             out["paused"] = self._paused
+            out["dtype"] = self._dtype_name
         return out
 
     # ---------------------------------------------------------------- submission
 
     def _make_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams, deliver: Callable
+        self, prompt_ids: Sequence[int], params: SamplingParams, deliver: Callable, priority: int = 0
     ) -> _Request:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not _is_int(priority):
+            raise TypeError(f"priority must be an int, got {priority!r} ({type(priority).__name__})")
         if isinstance(prompt_ids, torch.Tensor):
             prompt_ids = prompt_ids.tolist()
         prompt = list(prompt_ids)
@@ -455,19 +472,24 @@ class InferenceEngine:
             max_new=max_new,
             stop_ids=(frozenset() if params.ignore_eos else self._eos_ids) | frozenset(params.stop_token_ids),
             uniforms=uniforms,
+            priority=int(priority),
         )
 
     def _enqueue(self, req: _Request) -> None:
         with self._cond:
             if self._stopped:
                 raise RuntimeError("InferenceEngine is stopped; call start() before submitting")
-            self._waiting.append(req)
+            # priority order, FIFO among equal priorities (all 0 by default: a plain FIFO queue)
+            if not self._waiting or self._waiting[-1].priority <= req.priority:
+                self._waiting.append(req)
+            else:
+                self._waiting.insert(bisect.bisect_right(self._waiting, req.priority, key=_priority), req)
             self._live[req.rid] = req
             self._stats["num_requests"] += 1
             self._cond.notify_all()
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *, priority: int = 0
     ) -> GenerationOutput:
         """Generate one response; awaitable from any asyncio event loop in any thread.
 
@@ -475,6 +497,13 @@ class InferenceEngine:
             prompt_ids: Prompt token ids (length ``P >= 1``, each in ``[0, vocab_size)``, chat
                 template already applied).
             params: Sampling parameters (default ``SamplingParams()``).
+            priority: Place in the waiting queue: requests wait for a free slot of the running
+                batch (``max_batch_size``) in ascending ``priority``, FIFO among equal values
+                (vLLM's priority scheduling convention: lower is served first). Running requests
+                are never preempted. The rollout controller passes each episode's admission
+                sequence (``rollout.priority=oldest_first``), so that a group admitted earlier,
+                and closer to its staleness deadline, is not overtaken by younger ones. Sampling
+                does not depend on it (each request's random stream is fixed at submission).
 
         Returns:
             The finished :class:`GenerationOutput`. If the engine is not started yet the request
@@ -483,7 +512,7 @@ class InferenceEngine:
         Raises:
             ValueError: empty / out-of-range prompt; PromptTooLongError (a ValueError): a
                 prompt that fills the context.
-            TypeError: ``params`` is not a :class:`SamplingParams`.
+            TypeError: ``params`` is not a :class:`SamplingParams`, or ``priority`` not an int.
             RuntimeError: the engine is stopped, or its decode thread crashed.
             asyncio.CancelledError: when the awaiting task is cancelled; the request is then
                 dropped from the engine at the next step boundary.
@@ -497,7 +526,7 @@ class InferenceEngine:
             except RuntimeError:  # the loop was closed meanwhile: nobody is waiting
                 pass
 
-        req = self._make_request(prompt_ids, params or SamplingParams(), deliver)
+        req = self._make_request(prompt_ids, params or SamplingParams(), deliver, priority)
         self._enqueue(req)
         try:
             return await fut
@@ -508,11 +537,12 @@ class InferenceEngine:
             raise
 
     def submit(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *, priority: int = 0
     ) -> concurrent.futures.Future:
         """Submit one request without asyncio.
 
-        Args / errors: as :meth:`generate` (validation errors are raised here).
+        Args / errors: as :meth:`generate` (validation errors are raised here; ``priority`` as
+        there).
 
         Returns:
             A :class:`concurrent.futures.Future` resolving to the :class:`GenerationOutput`
@@ -529,7 +559,7 @@ class InferenceEngine:
             else:
                 cfut.set_result(result)
 
-        req = self._make_request(prompt_ids, params or SamplingParams(), deliver)
+        req = self._make_request(prompt_ids, params or SamplingParams(), deliver, priority)
 
         def on_done(f: concurrent.futures.Future) -> None:
             if f.cancelled():
@@ -716,12 +746,48 @@ class InferenceEngine:
         """
         if self._num_threads is not None:
             previous = torch.get_num_threads()  # lazy per-thread init; returns the default
+            self._default_threads = previous
             torch.set_num_threads(self._num_threads)
             helper = threading.Thread(target=torch.set_num_threads, args=(previous,))
             helper.start()
             helper.join()
         with self._cond:
             self._stats["num_threads"] = torch.get_num_threads()
+
+    def set_num_threads(self, n: int) -> None:
+        """Change the decode thread's intra-op thread count from its next step on (elastic
+        cores, issue 16: the runtime lends the engine the trainer's cores while the trainer
+        waits for a batch and takes them back before it trains). Only the decode thread changes
+        (as ``num_threads`` at construction); the count applies between two forward passes.
+        Thread-safe, returns at once; a count equal to the current one costs nothing.
+
+        Args:
+            n: Intra-op threads (int >= 1).
+
+        Raises:
+            ValueError: ``n`` is not an int >= 1.
+        """
+        if not _is_int(n) or n < 1:
+            raise ValueError(f"num_threads must be an int >= 1, got {n!r}")
+        with self._cond:
+            self._threads_wanted = n
+
+    def _apply_thread_change(self) -> None:
+        """Decode thread, between two steps: apply :meth:`set_num_threads` (the process-wide
+        default stays what it was before the engine started, as in :meth:`_set_thread_count`)."""
+        with self._cond:
+            n, self._threads_wanted = self._threads_wanted, None
+        if n is None or n == torch.get_num_threads():
+            return
+        torch.set_num_threads(n)
+        default = getattr(self, "_default_threads", None)
+        if default is not None:
+            helper = threading.Thread(target=torch.set_num_threads, args=(default,))
+            helper.start()
+            helper.join()
+        with self._cond:
+            self._stats["num_threads"] = n
+            self._stats["thread_changes"] += 1
 
     def _loop(self) -> None:
         try:
@@ -745,6 +811,9 @@ class InferenceEngine:
                         stopping = self._stopping
                         paused = self._paused
                         self._in_step = True
+                        rethread = self._threads_wanted is not None
+                    if rethread:
+                        self._apply_thread_change()
                     with self._model_lock:
                         if updates:
                             in_flight = self._reencode + (self._batch.reqs if self._batch else [])

@@ -44,6 +44,12 @@ class Engine(Protocol):
       patches (``InferenceEngine`` has it; only ``partial_sync`` asks for it, and refuses an
       engine without it). No caller reads an engine's model.
 
+    Scheduling: ``generate(prompt_ids, params, priority=p)`` -- an optional capability, not in
+    the protocol: an engine whose ``supports_priority`` attribute is true takes a keyword
+    ``priority`` (int; its waiting queue serves lower values first, FIFO among equals; vLLM's
+    convention). The rollout controller passes each episode's admission sequence
+    (``rollout.priority=oldest_first``) to such engines only; others run FIFO.
+
     Not in the protocol: ``abort`` (``InferenceEngine.abort``, ``HttpEngine.abort``; used by
     the engine server's ``/abort_request``, not by the runtime: :meth:`stop` finishes every
     unfinished request with ``finish_reason="abort"``); ``submit``, ``generate_batch``, ``paused``,

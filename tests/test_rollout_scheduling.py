@@ -1,0 +1,145 @@
+"""Rollout scheduling (issue 16): with ``rollout.priority=oldest_first`` every engine request of an
+episode carries the episode's admission sequence, so the engine serves older groups first; the
+share of accepted trajectories dropped as stale is counted."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from conveyor.rollout.buffer import TrajectoryBuffer
+from conveyor.rollout.controller import DataStream, RolloutController, wait_for_batch
+from conveyor.rollout.staleness import StalenessManager
+from conveyor.types import Sample, Trajectory
+
+
+class RecordingEngine:
+    """Records ``(prompt, priority)`` of every generate call; ``None`` when none was passed."""
+
+    def __init__(self, supports_priority: bool) -> None:
+        self.supports_priority = supports_priority
+        self.version = 0
+        self.calls: list[tuple[list[int], int | None]] = []
+
+    async def generate(self, prompt_ids, params=None, **kw):
+        self.calls.append((list(prompt_ids), kw.get("priority")))
+        await asyncio.sleep(0)
+        return list(prompt_ids)
+
+
+class TwoTurnWorkflow:
+    """Two generate calls per episode (a tool episode's two turns); prompts ``[k]`` and
+    ``[k, 1]`` for the k-th episode started (the data stream repeats samples)."""
+
+    def __init__(self) -> None:
+        self.started = 0
+
+    async def run_episode(self, engine, sample):
+        n = self.started
+        self.started += 1
+        await engine.generate([n], None)
+        assert engine.version == 0  # everything but generate is the engine itself
+        await engine.generate([n, 1], None)
+        return [Trajectory(sample=sample, group_id=f"{sample.id}#{n}#{i}", prompt_ids=[1], response_ids=[2],
+                           behaviour_logprobs=[0.0], versions=[0]) for i in range(2)]
+
+
+def run(engine, priority: str, episodes: int = 6):
+    samples = [Sample(str(i), "q", "1", "t") for i in range(episodes)]
+    staleness = StalenessManager(batch_size=2, eta=None, max_concurrent=2 * episodes)
+    buf = TrajectoryBuffer(None, on_drop=staleness.on_drop)
+    c = RolloutController(engine, TwoTurnWorkflow(), DataStream(samples, seed=0),
+                          staleness, buf, group_size=2, priority=priority)
+    c.start()
+    try:
+        for _ in range(episodes):
+            assert wait_for_batch(buf, 2, lambda: 0, stop=threading.Event()) is not None
+    finally:
+        c.stop()
+    return c
+
+
+def test_oldest_first_tags_every_turn_with_the_episode_admission_sequence():
+    eng = RecordingEngine(supports_priority=True)
+    c = run(eng, "oldest_first")
+    assert c.priority == "oldest_first"
+    by_prompt: dict[int, set] = {}
+    for prompt, prio in eng.calls:
+        by_prompt.setdefault(prompt[0], set()).add(prio)
+    firsts = [prio for prompt, prio in eng.calls if len(prompt) == 1]
+    # both turns of an episode carry one priority; episodes admitted later carry larger ones
+    assert all(len(p) == 1 for p in by_prompt.values())
+    assert firsts == sorted(firsts) and len(set(firsts)) == len(firsts)
+    assert firsts[:6] == list(range(6))
+
+
+def test_fifo_and_engines_without_priority_get_plain_calls():
+    eng = RecordingEngine(supports_priority=True)
+    run(eng, "fifo")
+    assert eng.calls and all(prio is None for _, prio in eng.calls)
+    plain = RecordingEngine(supports_priority=False)
+    c = run(plain, "oldest_first")
+    assert c.priority == "fifo" and all(prio is None for _, prio in plain.calls)
+    with pytest.raises(ValueError, match="priority must be 'oldest_first' or 'fifo'"):
+        RolloutController(plain, TwoTurnWorkflow(), DataStream([Sample("0", "q", "1", "t")]),
+                          StalenessManager(batch_size=2, eta=None, max_concurrent=2),
+                          TrajectoryBuffer(None), group_size=2, priority="lifo")
+
+
+def test_dropped_stale_share_counts_dropped_over_accepted_trajectories():
+    staleness = StalenessManager(batch_size=2, eta=1, max_concurrent=8)
+    buf = TrajectoryBuffer(1, on_drop=staleness.on_drop)
+    c = RolloutController(RecordingEngine(False), TwoTurnWorkflow(), DataStream([Sample("0", "q", "1", "t")]),
+                          staleness, buf, group_size=2)
+    assert c.counters()["rollout/dropped_stale_share"] == 0.0  # nothing accepted yet: 0, not NaN
+
+    def group(name, version):
+        return [Trajectory(sample=Sample(name, "q", "1", "t"), group_id=f"{name}#{i}", prompt_ids=[1],
+                           response_ids=[2, 3], behaviour_logprobs=[0.0, 0.0], versions=[version, version + 1])
+                for i in range(2)]
+
+    for name, v in (("a", 0), ("b", 1), ("c", 3), ("d", 3)):
+        staleness.on_start(2)
+        staleness.on_accept(2)
+        buf.put(group(name, v))
+    assert len(buf.get_batch(2, current_version=3)) == 2  # a (age 0) and b (age 1) are older than 3 - 1
+    counters = c.counters()
+    assert counters["rollout/dropped_stale"] == 4 and counters["rollout/dropped_stale_share"] == 4 / 8
+
+
+def test_elastic_threads_lend_the_trainers_threads_for_the_wait_only():
+    from conveyor.runtime.step import LocalRollout
+
+    class Eng:
+        def __init__(self):
+            self.calls = []
+
+        def set_num_threads(self, n):
+            self.calls.append(n)
+
+    class Ctl:
+        def hand_out(self, batch):
+            return batch
+
+    eng = Eng()
+    buf = TrajectoryBuffer(None)
+    buf.put([Trajectory(sample=Sample("a", "q", "1", "t"), group_id=f"a#{i}", prompt_ids=[1], response_ids=[2],
+                        behaviour_logprobs=[0.0], versions=[0]) for i in range(2)])
+    port = LocalRollout(Ctl(), buf, elastic=(eng, 1, 3))
+    assert len(port.next_batch(2, 0)) == 2
+    assert eng.calls == [3, 1]  # lent for the wait, given back before the update
+    stop = threading.Event()
+    stop.set()
+    assert port.next_batch(2, 0, stop=stop) is None and eng.calls == [3, 1, 3, 1]  # given back on a stop too
+    fixed = LocalRollout(Ctl(), buf)
+    assert fixed.elastic is None
+
+
+def test_elastic_threads_are_refused_outside_the_inline_runtime():
+    from conveyor.config import load_config
+
+    assert load_config(None, ["rollout.elastic_threads=true"]).rollout.elastic_threads is True
+    with pytest.raises(ValueError, match="rollout.elastic_threads=true needs runtime.name=inline"):
+        load_config(None, ["rollout.elastic_threads=true", "runtime.name=ray"])
