@@ -211,10 +211,10 @@ class RewardConfig(_Strict):
     failure_score: float = 0.0
     workers: int = Field(default=2, ge=1)
     max_abs: float = Field(default=1e6, gt=0, description="a reward beyond +-max_abs is a failed (invalid) reward")
-    overlong: Literal["keep", "zero", "soft"] = Field(
-        default="keep", description="responses cut at rollout.max_new_tokens: keep the reward, zero it, or soft "
-                                    "(DAPO's length penalty over the last overlong_buffer tokens); "
-                                    "conveyor.rewards.overlong")
+    overlong: Literal["keep", "zero", "soft", "filter"] = Field(
+        default="keep", description="responses cut at rollout.max_new_tokens: keep the reward, zero it, soft "
+                                    "(DAPO's length penalty over the last overlong_buffer tokens) or filter (DAPO's "
+                                    "overlong filtering: no loss on their tokens); conveyor.rewards.overlong")
     overlong_buffer: int = Field(default=16, ge=1, description="soft: tokens before the limit where the penalty "
                                                                "ramps from 0 to -overlong_penalty (DAPO L_cache)")
     overlong_penalty: float = Field(default=1.0, ge=0, description="soft: the penalty at the limit")

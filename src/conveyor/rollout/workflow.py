@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 from conveyor.prompts import build_prompt_ids
 from conveyor.rewards import ANSWER_METRICS, RewardService
 from conveyor.rewards.overlong import (
+    overlong_action_mask,
     OVERLONG_MODES,
     OverlongMode,
     shape_overlong_reward,
@@ -60,9 +61,12 @@ class SingleTurnMathWorkflow:
             (:mod:`conveyor.rollout.tools`); its results are observation tokens
             (``trajectory.action_mask`` 0), never trained on.
         max_tool_calls: Observations per response at most.
-        overlong: ``reward.overlong`` (``keep``, ``zero``, ``soft``): the reward of a response cut at
-            ``params.max_new_tokens`` (:func:`conveyor.rewards.overlong.shape_overlong_reward`;
-            the reward function's score stays in ``metadata["raw_reward"]``).
+        overlong: ``reward.overlong`` (``keep``, ``zero``, ``soft``, ``filter``): the reward of a
+            response cut at ``params.max_new_tokens``
+            (:func:`conveyor.rewards.overlong.shape_overlong_reward`; the reward function's score
+            stays in ``metadata["raw_reward"]``), or, with ``filter``, its loss mask cleared
+            (:func:`~conveyor.rewards.overlong.overlong_action_mask`; ``metadata
+            ["overlong_filtered"]``).
         overlong_buffer: ``soft``: DAPO's ``L_cache`` in tokens.
         overlong_penalty: ``soft``: the penalty factor.
 
@@ -126,6 +130,9 @@ class SingleTurnMathWorkflow:
                                            truncated=o.finish_reason == "length", mode=self.overlong,
                                            max_length=self.params.max_new_tokens, buffer=self.overlong_buffer,
                                            penalty=self.overlong_penalty)
+            truncated = o.finish_reason == "length"
+            action_mask = overlong_action_mask(o.action_mask, length=len(o.token_ids), truncated=truncated,
+                                               mode=self.overlong)
             trajs.append(
                 Trajectory(
                     sample=sample,
@@ -138,11 +145,12 @@ class SingleTurnMathWorkflow:
                     correct=None if correct is None else correct >= 1.0,
                     finish_reason=o.finish_reason,
                     text=o.text,
-                    action_mask=o.action_mask,
+                    action_mask=action_mask,
                     sampling_mask=o.sampling_mask,  # truncated sampling's sets
                     metadata={
                         "reward_failed": r.failed,
                         "raw_reward": float(r.score),  # before reward.overlong
+                        "overlong_filtered": self.overlong == "filter" and truncated,  # no loss
                         "reward_error": r.error,
                         "format_ok": None if fmt is None else fmt >= 1.0,
                         "reward_metrics": dict(r.metrics),  # every metric of the service (style verdicts)

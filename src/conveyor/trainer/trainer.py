@@ -832,7 +832,11 @@ class Trainer:
         grad_norms = update.grad_norms
         metrics.update({
             "train/skipped_nonfinite": float(update.skipped),
-            "train/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+            # no loss token in the batch (e.g. every response filtered by reward.overlong=filter): no
+            # optimiser step and no gradient, 0 rather than NaN; NaN still marks a skipped non-finite step
+            "train/grad_norm": (sum(grad_norms) / len(grad_norms) if grad_norms
+                                else 0.0 if n_tok == 0 and not update.skipped else float("nan")),
+            "train/optimizer_steps": float(len(grad_norms)),
             "train/lr": self.policy.lr,
             "train/tokens": float(n_tok),
             "train/micro_batches": float(len(mbs)),
