@@ -360,6 +360,74 @@ def test_set_num_threads_changes_the_decode_thread_only_between_steps(ref):
     assert torch.get_num_threads() == before  # the caller's threads never change
 
 
+def _prefix_run(cache_tokens, prompts, update=None):
+    """Greedy turns through one engine: the prompts, then each output + 2 more tokens (a tool
+    turn), then five copies of the first prompt sampled at T = 1; with ``update`` the weights
+    change between the first and second turn."""
+    model, tok = fresh_model()
+    eng = InferenceEngine(model, tok, max_batch_size=4, num_threads=1, seed=1, prefix_cache_tokens=cache_tokens)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(50,))
+    with eng:
+        first = eng.generate_batch(prompts, greedy)
+        if update is not None:
+            eng.update_weights(update)
+        cont = [o.prompt_ids + o.token_ids + [100, 200] for o in first]
+        second = eng.generate_batch(cont, greedy)
+        eng.pause()  # the five copies wait together: four are admitted in one step
+        futs = [eng.submit(prompts[0], SamplingParams(max_new_tokens=6, temperature=1.0)) for _ in range(5)]
+        eng.resume()
+        same = [f.result(timeout=60) for f in futs]
+        return first, second, same, eng.stats()
+
+
+def test_prefix_cache_reuses_keys_values_and_changes_nothing_computed(ref):
+    """A tool turn (output + observation) and a group's later responses run only their new
+    tokens through the model; tokens and log-probs are those of a full prefill."""
+    _, _, prompts = ref
+    off = _prefix_run(0, prompts)
+    on = _prefix_run(4096, prompts)
+    for a, b in zip(off[:3], on[:3], strict=True):
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+        assert [o.versions for o in a] == [o.versions for o in b]
+        lp_a = torch.tensor([x for o in a for x in o.logprobs])
+        assert torch.allclose(lp_a, torch.tensor([x for o in b for x in o.logprobs]), atol=1e-4)
+    st_off, st_on = off[3], on[3]
+    assert st_off["prefix_cache_hits"] == 0 and st_off["prefix_cache_tokens"] == 0
+    # every continuation and every copy of prompt 0 hit; they ran far fewer tokens
+    assert st_on["prefix_cache_hits"] == len(prompts) + 5
+    assert (st_on["prefill_tokens"] + st_on["prefix_cache_hit_tokens"] + st_on["prefill_dedup_tokens"]
+            == st_off["prefill_tokens"] + st_off["prefill_dedup_tokens"])  # every admitted token once
+    assert st_on["prefill_tokens"] < st_off["prefill_tokens"] / 2
+    # without the cache, the four copies admitted together (max_batch_size=4) were prefilled once
+    assert st_off["prefill_dedup_tokens"] == 3 * len(prompts[0])
+    # a weight update clears the cache: the continuations run in full with the new weights
+    model, _ = fresh_model()
+    upd = WeightUpdate(version=1, tensors={n: p.detach() * 1.01 for n, p in model.named_parameters()})
+    off_u, on_u = _prefix_run(0, prompts, upd), _prefix_run(4096, prompts, upd)
+    assert [o.token_ids for o in off_u[1]] == [o.token_ids for o in on_u[1]]
+    # nothing from before the update is reused: the continuations miss, the four copies admitted
+    # together miss (prefilled once), and only the fifth hits the prompt cached after the update
+    assert on_u[3]["prefix_cache_hits"] == 1
+    with pytest.raises(ValueError, match="prefix_cache_tokens must be an int >= 0"):
+        InferenceEngine(*fresh_model(), prefix_cache_tokens=-1)
+
+
+def test_prefix_cache_is_lru_within_its_token_budget():
+    from conveyor.rollout.engine.kv_cache import _PrefixCache
+
+    kv = lambda n: [(torch.zeros(1, n, 2), torch.zeros(1, n, 2))]  # noqa: E731
+    c = _PrefixCache(10)
+    assert c.insert([1, 2, 3, 4], lambda: kv(4)) and c.insert([1, 2, 3, 4, 5, 6], lambda: kv(6))
+    assert c.tokens == 10 and len(c) == 2
+    assert c.lookup([1, 2, 3, 4, 5, 6, 7])[0] == 6  # the longest proper prefix
+    assert c.lookup([1, 2, 3, 4, 5, 6])[0] == 4  # an equal key leaves no token to run: the shorter one
+    assert c.lookup([2, 3]) is None
+    assert c.insert([9, 9], lambda: kv(2))  # over budget: the least recently used entry (6 tokens) goes,
+    assert c.tokens == 6 and c.lookup([1, 2, 3, 4, 5, 6, 7])[0] == 4  # as [1, 2, 3, 4] was used last
+    assert not c.insert(list(range(11)), lambda: kv(11))  # longer than the budget: not stored
+    assert not _PrefixCache(0).insert([1], lambda: kv(1))  # disabled
+
+
 # ------------------------------------------------------------------ stop conditions
 
 

@@ -9,7 +9,11 @@ import pytest
 
 from conveyor.config import ConfigError, load_config
 from conveyor.rewards import ANSWER_METRICS, RewardService
-from conveyor.rewards.overlong import overlong_action_mask, shape_overlong_reward, soft_overlong_penalty
+from conveyor.rewards.overlong import (
+    overlong_action_mask,
+    shape_overlong_reward,
+    soft_overlong_penalty,
+)
 from conveyor.rollout.engine import GenerationOutput, SamplingParams
 from conveyor.rollout.workflow import SingleTurnMathWorkflow
 from conveyor.types import Sample
@@ -98,10 +102,10 @@ def test_a_filtered_response_adds_no_gradient_and_an_all_filtered_batch_no_step(
     import copy
 
     import torch
+    from test_trainer import make_trajs
 
     from conveyor.config import LossConfig, TrainerConfig
     from conveyor.trainer.trainer import Trainer
-    from test_trainer import make_trajs
 
     def grad_of(trajs):
         model = copy.deepcopy(tiny.model)

@@ -143,3 +143,51 @@ def test_elastic_threads_are_refused_outside_the_inline_runtime():
     assert load_config(None, ["rollout.elastic_threads=true"]).rollout.elastic_threads is True
     with pytest.raises(ValueError, match="rollout.elastic_threads=true needs runtime.name=inline"):
         load_config(None, ["rollout.elastic_threads=true", "runtime.name=ray"])
+
+
+class QueueingEngine:
+    """An engine whose running batch is full: every request joins the waiting queue until the
+    test releases the episodes; ``stats()["waiting"]`` counts them."""
+
+    def __init__(self, waiting: int = 0) -> None:
+        self.waiting = waiting
+        self.release = threading.Event()
+
+    def stats(self):
+        return {"waiting": self.waiting}
+
+    async def generate(self, prompt_ids, params=None):
+        self.waiting += 1
+        while not self.release.is_set():
+            await asyncio.sleep(0.01)
+        return list(prompt_ids)
+
+
+class OneTurnWorkflow:
+    async def run_episode(self, engine, sample):
+        await engine.generate([1], None)
+        return [Trajectory(sample=sample, group_id=f"{sample.id}#{id(engine)}#{i}", prompt_ids=[1], response_ids=[2],
+                           behaviour_logprobs=[0.0], versions=[0]) for i in range(2)]
+
+
+@pytest.mark.parametrize("max_engine_waiting, started", [(None, 4), (0, 1), (2, 3)])
+def test_engine_aware_admission_starts_episodes_only_while_the_engine_queue_is_short(max_engine_waiting, started):
+    import time
+
+    eng = QueueingEngine(waiting=5)  # busy: nothing may start under the knob
+    staleness = StalenessManager(batch_size=2, eta=None, max_concurrent=8)  # the capacity rule: 4 episodes
+    c = RolloutController(eng, OneTurnWorkflow(), DataStream([Sample(str(i), "q", "1", "t") for i in range(8)]),
+                          staleness, TrajectoryBuffer(None), group_size=2, max_engine_waiting=max_engine_waiting)
+    c.start()
+    try:
+        time.sleep(0.6)
+        assert c.stats.episodes_started == (4 if max_engine_waiting is None else 0)
+        eng.waiting = 0  # a free slot: each started episode's request now waits in the engine
+        time.sleep(1.2)
+        assert c.stats.episodes_started == started
+    finally:
+        eng.release.set()
+        c.stop()
+    with pytest.raises(ValueError, match="max_engine_waiting must be None or an int >= 0"):
+        RolloutController(eng, OneTurnWorkflow(), DataStream([Sample("0", "q", "1", "t")]), staleness,
+                          TrajectoryBuffer(None), group_size=2, max_engine_waiting=-1)

@@ -89,6 +89,16 @@ class RolloutConfig(_Strict):
     max_concurrent: int = Field(default=64, ge=1, description="trajectories in flight at most")
     max_batch_size: int = Field(default=32, ge=1, description="engine decode batch (sequences)")
     engine_threads: int | None = Field(default=None, ge=1, description="engine intra-op threads (default: auto)")
+    max_engine_waiting: int | None = Field(
+        default=None, ge=0, description="engine-aware admission: start a new episode only while at most this many "
+                                        "requests wait in the engine's queue (0: only when it has a free decode slot); "
+                                        "fewer trajectories in flight, lower staleness, fewer dropped as stale; "
+                                        "null: AReaL's capacity rule alone")
+    prefix_cache_tokens: int = Field(
+        default=0, ge=0, description="the engine's prefix cache (tokens; 0 = off): keys / values of prompts and of "
+                                     "stopped turns are kept, so a tool / agent episode's next turn and a group's "
+                                     "later responses run only their new tokens through the model (cleared at every "
+                                     "weight update; 46 KB per token for SmolLM2 in float32)")
     elastic_threads: bool = Field(
         default=False, description="inline runtime: while the trainer waits for a batch, the engine decodes with the "
                                    "trainer's threads as well (given back before the update; elastic cores)")

@@ -160,15 +160,30 @@ class RolloutController:
             ``supports_priority`` (others run FIFO). ``"fifo"``: requests in arrival order (a
             tool call's next turn queues behind every request submitted meanwhile).
 
+        max_engine_waiting: Engine-aware admission (issue 16): besides the capacity rule, a new
+            episode starts only while the engine's waiting queue (``engine.stats()["waiting"]``,
+            requests submitted and not yet in its running batch) holds at most this many
+            requests. When the engine is the bottleneck, the capacity rule alone keeps
+            ``min(max_concurrent, (eta + 1) * B)`` trajectories in flight, and those beyond the
+            engine's batch only wait in its queue: their time in flight, and so their staleness
+            and the share dropped as stale, grows without any gain in throughput. None: the
+            capacity rule alone (AReaL).
+
     Raises:
-        ValueError: ``priority`` is not ``"oldest_first"`` or ``"fifo"``.
+        ValueError: ``priority`` is not ``"oldest_first"`` or ``"fifo"``, or ``max_engine_waiting``
+            is not None or an int >= 0.
     """
 
     def __init__(self, engine, workflow: RolloutWorkflow, data: DataStream, staleness: StalenessManager, buffer: TrajectoryBuffer, *, group_size: int, filter_all_equal: bool = False, max_filtered_in_a_row: int = 64, version: int = 0,
-                 max_failed_in_a_row: int = 100, on_skip=None, priority: str = "fifo"):
+                 max_failed_in_a_row: int = 100, on_skip=None, priority: str = "fifo",
+                 max_engine_waiting: int | None = None):
         if priority not in ("oldest_first", "fifo"):
             raise ValueError(f"priority must be 'oldest_first' or 'fifo', got {priority!r}")
         self.priority = priority if getattr(engine, "supports_priority", False) else "fifo"
+        if max_engine_waiting is not None and (isinstance(max_engine_waiting, bool) or not isinstance(max_engine_waiting, int)
+                                               or max_engine_waiting < 0):
+            raise ValueError(f"max_engine_waiting must be None or an int >= 0, got {max_engine_waiting!r}")
+        self.max_engine_waiting = max_engine_waiting
         self.max_failed_in_a_row = max_failed_in_a_row
         self.on_skip = on_skip
         self._failed_in_a_row = 0
@@ -337,6 +352,13 @@ class RolloutController:
         self._version = version
 
     # ------------------------------------------------------------------ the loop
+    def _engine_waiting(self) -> int:
+        """Requests waiting in the engine's queue now (0 when the engine does not say)."""
+        try:
+            return int(self.engine.stats().get("waiting", 0))
+        except Exception:  # an engine without stats (or gone): admission falls back to the capacity rule
+            return 0
+
     def _main(self) -> None:
         try:
             asyncio.run(self._run())
@@ -352,6 +374,8 @@ class RolloutController:
             if not self._paused.is_set():
                 cap = self.staleness.capacity(self._version + self.warmup_batches)
                 while cap >= self.group_size and not self._stop.is_set():
+                    if self.max_engine_waiting is not None and self._engine_waiting() > self.max_engine_waiting:
+                        break  # the engine has no free decode slot: a new episode would only queue there
                     with self._lock:
                         idx, sample = self.data.next()
                         eid = self._episode_ids
@@ -363,6 +387,9 @@ class RolloutController:
                     tasks.add(t)
                     t.add_done_callback(tasks.discard)
                     cap -= self.group_size
+                    if self.max_engine_waiting is not None:
+                        for _ in range(4):  # let the episode submit its first requests before re-checking
+                            await asyncio.sleep(0)
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=0.5)

@@ -17,9 +17,9 @@ from typing import Protocol, runtime_checkable
 from conveyor.prompts import build_prompt_ids
 from conveyor.rewards import ANSWER_METRICS, RewardService
 from conveyor.rewards.overlong import (
-    overlong_action_mask,
     OVERLONG_MODES,
     OverlongMode,
+    overlong_action_mask,
     shape_overlong_reward,
     soft_overlong_penalty,
 )

@@ -191,7 +191,8 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
                              seed=cfg.run.seed + trainer.version, num_threads=engine_threads,
                              track_partials=tracks_partials(trainer.proximal),
                              reencode_on_update=cfg.rollout.reencode_on_update,
-                             dtype=getattr(torch, cfg.rollout.engine_dtype))
+                             dtype=getattr(torch, cfg.rollout.engine_dtype),
+                             prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)
     engine.start()
     ctx.stack.callback(engine.stop)
     reward_service = RewardService(reward_fn, timeout_s=cfg.reward.timeout_s,
@@ -214,7 +215,8 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
         with_style_schedule(DataStream(train_samples, seed=cfg.data.shuffle_seed), cfg.data, lambda: controller.version),
         staleness, buffer,
         group_size=G, filter_all_equal=cfg.rollout.filter_all_equal,
-        max_filtered_in_a_row=cfg.rollout.max_filtered_in_a_row, priority=cfg.rollout.priority, version=trainer.version,
+        max_filtered_in_a_row=cfg.rollout.max_filtered_in_a_row, priority=cfg.rollout.priority,
+        max_engine_waiting=cfg.rollout.max_engine_waiting, version=trainer.version,
         on_skip=lambda s, why: logger.event("prompt_too_long", sample=s.id, reason=why),
     )
     ctx.stack.callback(controller.stop)

@@ -252,7 +252,8 @@ class RolloutActor:
         self.engine = InferenceEngine(model, lm.tokenizer, version=version, max_batch_size=cfg.rollout.max_batch_size,
                                       seed=cfg.run.seed + version, num_threads=engine_threads,
                                       track_partials=track_partials, reencode_on_update=cfg.rollout.reencode_on_update,
-                                      dtype=getattr(torch, cfg.rollout.engine_dtype))
+                                      dtype=getattr(torch, cfg.rollout.engine_dtype),
+                                      prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)
         self.engine.start()
         self.reward_service = RewardService(reward_fn, timeout_s=cfg.reward.timeout_s,
                                             failure_score=cfg.reward.failure_score, max_workers=cfg.reward.workers,
@@ -269,7 +270,8 @@ class RolloutActor:
                                 lambda: self.controller.version),  # data.style_schedule
             staleness, self.buffer,
             group_size=G, filter_all_equal=cfg.rollout.filter_all_equal,
-            max_filtered_in_a_row=cfg.rollout.max_filtered_in_a_row, priority=cfg.rollout.priority, version=version, on_skip=self._on_skip)
+            max_filtered_in_a_row=cfg.rollout.max_filtered_in_a_row, priority=cfg.rollout.priority,
+            max_engine_waiting=cfg.rollout.max_engine_waiting, version=version, on_skip=self._on_skip)
         self.controller.stats.prompts_too_long = n_too_long
         self.controller.set_warmup_batches(warmup_batches)
         if controller_state is not None:

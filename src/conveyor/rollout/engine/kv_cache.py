@@ -4,7 +4,8 @@ per-request decode state (:class:`_Request`), the batch of requests sharing one 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -169,3 +170,70 @@ def _select(batch: _Batch, keep: list[int]) -> _Batch | None:
         pending=batch.pending.index_select(0, idx),
         plan=_make_plan([r.params for r in reqs]),
     )
+
+
+class _PrefixCache:
+    """KV caches of token prefixes the engine computed recently, reused by later requests whose
+    prompt extends one (prefix caching, as vLLM's automatic prefix caching and SGLang's
+    RadixAttention; issue 16). A tool episode's next turn is ``prompt + response so far +
+    observation``: without the cache every turn prefills the whole history again (69% of the
+    engine's busy time in the default main job: docs/results/main_job.md).
+
+    Entries are keyed by their token ids; each holds one ``(keys, values)`` pair per layer,
+    ``[H_kv, n, D]`` (a copy, owned by the cache). Least recently used entries are evicted beyond
+    ``max_tokens`` tokens in all. The engine clears the cache at every weight update, so an entry
+    always holds keys / values of the weights now loaded. Decode thread only (no lock).
+
+    Args:
+        max_tokens: Token budget (>= 0; 0 disables the cache: nothing is stored).
+    """
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self._entries: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self._tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held now."""
+        return self._tokens
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._tokens = 0
+
+    def insert(self, key: Sequence[int], kv: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]) -> bool:
+        """Store the keys / values of ``key`` (``kv()`` builds them: called only when stored).
+        Returns whether it was stored (not when disabled, longer than the budget, or present:
+        then it only becomes most recently used)."""
+        n = len(key)
+        if not 0 < n <= self.max_tokens:
+            return False
+        k = tuple(key)
+        if k in self._entries:
+            self._entries.move_to_end(k)
+            return False
+        self._entries[k] = kv()
+        self._tokens += n
+        while self._tokens > self.max_tokens:
+            old, _ = self._entries.popitem(last=False)
+            self._tokens -= len(old)
+        return True
+
+    def lookup(self, seq: Sequence[int]) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """The longest entry that is a proper prefix of ``seq`` (at least one token of ``seq``
+        is left to run through the model, whose logits give the next token): ``(its length,
+        its per-layer (keys, values))``, or None."""
+        best: tuple[int, ...] | None = None
+        n_seq = len(seq)
+        for key in self._entries:
+            n = len(key)
+            if n < n_seq and (best is None or n > len(best)) and key[0] == seq[0] and tuple(seq[:n]) == key:
+                best = key
+        if best is None:
+            return None
+        self._entries.move_to_end(best)
+        return len(best), self._entries[best]

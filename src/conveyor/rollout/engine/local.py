@@ -19,7 +19,15 @@ import torch
 from transformers.cache_utils import Cache
 
 from conveyor.faults import fault_point
-from conveyor.rollout.engine.kv_cache import _Batch, _KVLayer, _merge, _Request, _select
+from conveyor.rollout.engine.kv_cache import (
+    _KV_GROWTH,
+    _Batch,
+    _KVLayer,
+    _merge,
+    _PrefixCache,
+    _Request,
+    _select,
+)
 from conveyor.rollout.engine.sampling import _make_plan, _sample_with_plan, _SamplingPlan
 from conveyor.rollout.engine.types import (
     FINISH_ABORT,
@@ -77,6 +85,14 @@ class InferenceEngine:
             keeps the caches computed with the old weights and continues decoding on top of
             them (PipelineRL's in-flight update): generation pauses only for the weight copy,
             but the new tokens attend to keys / values of the previous version.
+        prefix_cache_tokens: Token budget of the prefix cache (0: off, the default). Keys /
+            values of every prefilled prompt and of every request that finished with ``stop``
+            are kept (least recently used evicted beyond the budget) and a new request whose
+            prompt extends one runs only the rest through the model: a tool or agent episode's
+            next turn, and a group's responses admitted after the first. Cleared at every weight
+            update. Memory: ``2 x layers x kv heads x head dim x dtype bytes`` per token (46 KB
+            for SmolLM2 in float32). Requests with the same prompt admitted together are
+            prefilled once whatever the budget.
 
     Attributes:
         supports_priority: True: :meth:`generate` / :meth:`submit` take ``priority`` (an
@@ -105,6 +121,7 @@ class InferenceEngine:
         dtype: torch.dtype | None = None,
         track_partials: bool = False,
         reencode_on_update: bool = True,
+        prefix_cache_tokens: int = 0,
     ) -> None:
         if not _is_int(version) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
@@ -114,6 +131,8 @@ class InferenceEngine:
             raise ValueError(f"seed must be an int, got {seed!r}")
         if num_threads is not None and (not _is_int(num_threads) or num_threads < 1):
             raise ValueError(f"num_threads must be an int >= 1 or None, got {num_threads!r}")
+        if not _is_int(prefix_cache_tokens) or prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be an int >= 0, got {prefix_cache_tokens!r}")
         config = (
             model.config.get_text_config(decoder=True)
             if hasattr(model.config, "get_text_config")
@@ -151,6 +170,7 @@ class InferenceEngine:
         self._seed = seed
         self._num_threads = num_threads
         self._threads_wanted: int | None = None  # set_num_threads, applied by the decode thread
+        self._prefix_cache = _PrefixCache(prefix_cache_tokens)
 
         self._cond = threading.Condition()
         self._model_lock = threading.Lock()
@@ -185,6 +205,9 @@ class InferenceEngine:
             pause_seconds_total=0.0,
             num_threads=0,
             thread_changes=0,  # set_num_threads applied (elastic cores)
+            prefix_cache_hits=0,  # requests whose prompt extended a cached prefix
+            prefix_cache_hit_tokens=0,  # prompt tokens those requests did not run through the model
+            prefill_dedup_tokens=0,  # tokens of identical sequences prefilled once (admitted together)
         )
         self._track_partials = track_partials
         self._reencode_on_update = reencode_on_update
@@ -244,6 +267,7 @@ class InferenceEngine:
             leftover = [r for r in self._live.values() if not r.cancelled]
             self._live.clear()
             self._waiting.clear()
+            self._prefix_cache.clear()
             self._reencode = []
             self._batch = None
             self._running_count = 0
@@ -411,7 +435,10 @@ class InferenceEngine:
             the running batch, including those awaiting re-encoding), ``waiting`` (queued),
             ``version``, ``paused``, ``dtype`` (of the model's weights, e.g. ``"float32"``),
             ``num_threads`` (intra-op threads of the decode thread now, 0 before it started),
-            ``thread_changes`` (:meth:`set_num_threads` changes applied) and ``decode_profile`` (``{batch size: [decode steps,
+            ``thread_changes`` (:meth:`set_num_threads` changes applied), ``prefix_cache_hits``,
+            ``prefix_cache_hit_tokens`` (prompt tokens the prefix cache saved from the model),
+            ``prefill_dedup_tokens`` (tokens of identical prompts admitted together, prefilled
+            once), ``prefix_cache_tokens`` (held now) and ``decode_profile`` (``{batch size: [decode steps,
             seconds]}``, seconds of the decode forward passes, used with ``sample_seconds`` to
             calibrate ``conveyor simulate``).
         """
@@ -423,6 +450,7 @@ class InferenceEngine:
             out["version"] = self._version
             out["paused"] = self._paused
             out["dtype"] = self._dtype_name
+            out["prefix_cache_tokens"] = self._prefix_cache.tokens
         return out
 
     # ---------------------------------------------------------------- submission
@@ -723,6 +751,7 @@ class InferenceEngine:
                 pending.future.set_exception(e)
                 continue
             dt = time.perf_counter() - t0
+            self._prefix_cache.clear()  # its keys / values belong to the previous weights
             for req in in_flight:
                 req.num_interruptions += 1
             with self._cond:
@@ -842,6 +871,7 @@ class InferenceEngine:
             reqs = [r for r in self._live.values() if not r.cancelled]
             self._live.clear()
             self._waiting.clear()
+            self._prefix_cache.clear()
             self._reencode = []
             self._batch = None
             updates, self._updates = self._updates, []
@@ -873,7 +903,15 @@ class InferenceEngine:
                     len(r.prompt_ids) + len(r.token_ids) for r in reqs
                 )
         if admit:
-            self._prefill(admit)
+            misses = []
+            for req in admit:
+                hit = self._prefix_cache.lookup(req.prompt_ids + req.token_ids) if self._prefix_cache.max_tokens else None
+                if hit is None:
+                    misses.append(req)
+                else:
+                    self._prefill_from_prefix(req, *hit)
+            if misses:
+                self._prefill(misses)
         if self._batch is not None:
             self._decode()
         with self._cond:
@@ -915,7 +953,11 @@ class InferenceEngine:
             i += n
 
     def _prefill_chunk(self, reqs: list[_Request]) -> None:
-        seqs = [r.prompt_ids + r.token_ids for r in reqs]
+        all_seqs = [r.prompt_ids + r.token_ids for r in reqs]
+        # identical sequences (a group's prompt admitted together) run through the model once
+        first: dict[tuple[int, ...], int] = {}
+        row_of = [first.setdefault(tuple(q), len(first)) for q in all_seqs]
+        seqs = [list(q) for q in first]
         length = max(len(s) for s in seqs)
         pad = torch.tensor([length - len(s) for s in seqs], dtype=torch.long)
         ids = torch.full((len(seqs), length), self._pad_id, dtype=torch.long)
@@ -943,11 +985,63 @@ class InferenceEngine:
             self._stats["busy_seconds"] += dt
             self._stats["prefill_seconds"] += dt
             self._stats["prefill_tokens"] += sum(len(s) for s in seqs)
+            self._stats["prefill_dedup_tokens"] += sum(len(s) for s in all_seqs) - sum(len(s) for s in seqs)
+        if self._prefix_cache.max_tokens:  # each prompt but its last token: a later group-mate runs 1 token
+            for b, s in enumerate(seqs):
+                p = int(pad[b])
+                self._prefix_cache.insert(s[:-1], lambda b=b, p=p: [
+                    (la.kbuf[b, :, p : length - 1].clone(), la.vbuf[b, :, p : length - 1].clone()) for la in layers])
+        logits = out.logits[:, -1, :]
+        if len(seqs) < len(reqs):  # every request its own row (its own sampling stream)
+            idx = torch.tensor(row_of, dtype=torch.long)
+            layers = [_KVLayer(la.kbuf.index_select(0, idx), la.vbuf.index_select(0, idx), la.length) for la in layers]
+            pad, logits = pad.index_select(0, idx), logits.index_select(0, idx)
         plan = _make_plan([r.params for r in reqs])
-        tokens = self._sample_and_record(reqs, out.logits[:, -1, :], plan)
+        tokens = self._sample_and_record(reqs, logits, plan)
         new = _Batch(reqs=reqs, layers=layers, pad=pad, length=length, pending=tokens, plan=plan)
         new = _select(new, [i for i, r in enumerate(reqs) if r.finish_reason is None])
         if new is not None:
+            self._batch = _merge(self._batch, new)
+
+    def _prefill_from_prefix(self, req: _Request, n_cached: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Admit ``req`` whose first ``n_cached`` tokens have cached keys / values (the prefix
+        cache): only the rest of its sequence runs through the model (a batch of one, its own
+        KV rows), then it joins the running batch."""
+        seq = req.prompt_ids + req.token_ids
+        rest = seq[n_cached:]
+        n = len(seq)
+        layers = []
+        for k, v in kv:
+            h, _, d = k.shape
+            kbuf = k.new_zeros(1, h, n + _KV_GROWTH, d)
+            vbuf = v.new_zeros(1, h, n + _KV_GROWTH, d)
+            kbuf[0, :, :n_cached].copy_(k)
+            vbuf[0, :, :n_cached].copy_(v)
+            layers.append(_KVLayer(kbuf, vbuf, n_cached))
+        cols = torch.arange(n)
+        q = torch.arange(n_cached, n)
+        mask = (cols.unsqueeze(0) <= q.unsqueeze(1))[None, None]  # [1, 1, rest, n]: the cache and the causal rest
+        t0 = time.perf_counter()
+        out = self.model(
+            input_ids=torch.tensor([rest], dtype=torch.long),
+            attention_mask=mask,
+            position_ids=q.unsqueeze(0),
+            cache=Cache(layers=layers),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        dt = time.perf_counter() - t0
+        with self._cond:
+            self._stats["busy_seconds"] += dt
+            self._stats["prefill_seconds"] += dt
+            self._stats["prefill_tokens"] += len(rest)
+            self._stats["prefix_cache_hits"] += 1
+            self._stats["prefix_cache_hit_tokens"] += n_cached
+        plan = _make_plan([req.params])
+        tokens = self._sample_and_record([req], out.logits[:, -1, :], plan)
+        if req.finish_reason is None:
+            new = _Batch(reqs=[req], layers=layers, pad=torch.zeros(1, dtype=torch.long), length=n,
+                         pending=tokens, plan=plan)
             self._batch = _merge(self._batch, new)
 
     def _decode(self) -> None:
@@ -975,8 +1069,25 @@ class InferenceEngine:
             prof[1] += dt
         batch.pending = self._sample_and_record(batch.reqs, out.logits[:, -1, :], batch.plan)
         done = [r.finish_reason is not None for r in batch.reqs]
+        if any(done) and self._prefix_cache.max_tokens:
+            self._cache_finished(batch, done)
         if any(done):
             self._batch = _select(batch, [i for i, d in enumerate(done) if not d])
+
+    def _cache_finished(self, batch: _Batch, done: list[bool]) -> None:
+        """Keep the keys / values of the requests that just finished with ``stop`` (a tool call
+        or a turn whose episode may continue): ``prompt + tokens`` but the last token, which was
+        sampled and never run through the model."""
+        for b, (req, d) in enumerate(zip(batch.reqs, done, strict=True)):
+            if not d or req.finish_reason != FINISH_STOP:
+                continue
+            p = int(batch.pad[b])
+            key = req.prompt_ids + req.token_ids[:-1]
+            if batch.length - p != len(key):  # never expected: do not cache what does not line up
+                continue
+            self._prefix_cache.insert(key, lambda b=b, p=p: [
+                (la.kbuf[b, :, p : batch.length].clone(), la.vbuf[b, :, p : batch.length].clone())
+                for la in batch.layers])
 
     def _sample_and_record(
         self, reqs: list[_Request], logits: torch.Tensor, plan: _SamplingPlan
