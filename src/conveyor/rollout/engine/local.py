@@ -904,12 +904,16 @@ class InferenceEngine:
                 )
         if admit:
             misses = []
+            hits: dict[int, list] = {}  # by the number of tokens left to run: one forward pass each
             for req in admit:
-                hit = self._prefix_cache.lookup(req.prompt_ids + req.token_ids) if self._prefix_cache.max_tokens else None
+                seq = req.prompt_ids + req.token_ids
+                hit = self._prefix_cache.lookup(seq) if self._prefix_cache.max_tokens else None
                 if hit is None:
                     misses.append(req)
                 else:
-                    self._prefill_from_prefix(req, *hit)
+                    hits.setdefault(len(seq) - hit[0], []).append((req, *hit))
+            for group in hits.values():
+                self._prefill_from_prefix(group)
             if misses:
                 self._prefill(misses)
         if self._batch is not None:
@@ -1003,29 +1007,42 @@ class InferenceEngine:
         if new is not None:
             self._batch = _merge(self._batch, new)
 
-    def _prefill_from_prefix(self, req: _Request, n_cached: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Admit ``req`` whose first ``n_cached`` tokens have cached keys / values (the prefix
-        cache): only the rest of its sequence runs through the model (a batch of one, its own
-        KV rows), then it joins the running batch."""
-        seq = req.prompt_ids + req.token_ids
-        rest = seq[n_cached:]
-        n = len(seq)
+    def _prefill_from_prefix(self, hits: list[tuple[_Request, int, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
+        """Admit requests whose first tokens have cached keys / values (the prefix cache): only
+        the rest of each sequence runs through the model, then they join the running batch.
+        ``hits``: ``(request, cached tokens, per-layer (keys [H, n, D], values))``, all with the
+        same number of tokens left to run (``S``), so they share one forward pass: each row's
+        cached part is left-padded to end at the same column and its ``S`` new tokens follow
+        (the running batch's layout, no gap in any row)."""
+        reqs = [r for r, _, _ in hits]
+        seqs = [r.prompt_ids + r.token_ids for r in reqs]
+        cached = [n for _, n, _ in hits]
+        rest = [q[n:] for q, n in zip(seqs, cached, strict=True)]
+        S = len(rest[0])
+        past = max(cached)
+        length = past + S
+        pad = torch.tensor([past - n for n in cached], dtype=torch.long)
         layers = []
-        for k, v in kv:
-            h, _, d = k.shape
-            kbuf = k.new_zeros(1, h, n + _KV_GROWTH, d)
-            vbuf = v.new_zeros(1, h, n + _KV_GROWTH, d)
-            kbuf[0, :, :n_cached].copy_(k)
-            vbuf[0, :, :n_cached].copy_(v)
-            layers.append(_KVLayer(kbuf, vbuf, n_cached))
-        cols = torch.arange(n)
-        q = torch.arange(n_cached, n)
-        mask = (cols.unsqueeze(0) <= q.unsqueeze(1))[None, None]  # [1, 1, rest, n]: the cache and the causal rest
+        for li in range(self._num_layers):
+            k0 = hits[0][2][li][0]
+            h, _, d = k0.shape
+            kbuf = k0.new_zeros(len(hits), h, length + _KV_GROWTH, d)
+            vbuf = k0.new_zeros(len(hits), h, length + _KV_GROWTH, d)
+            for b, (_, n, kv) in enumerate(hits):
+                kbuf[b, :, past - n : past].copy_(kv[li][0])
+                vbuf[b, :, past - n : past].copy_(kv[li][1])
+            layers.append(_KVLayer(kbuf, vbuf, past))
+        cols = torch.arange(length)
+        q = torch.arange(past, length)
+        causal = cols.unsqueeze(0) <= q.unsqueeze(1)  # [S(query), length(key)]
+        real = cols.unsqueeze(0) >= pad.unsqueeze(1)  # [B, length]
+        mask = (causal.unsqueeze(0) & real.unsqueeze(1)).unsqueeze(1)  # [B, 1, S, length]
+        position_ids = torch.tensor(cached, dtype=torch.long).unsqueeze(1) + torch.arange(S).unsqueeze(0)
         t0 = time.perf_counter()
         out = self.model(
-            input_ids=torch.tensor([rest], dtype=torch.long),
+            input_ids=torch.tensor(rest, dtype=torch.long),
             attention_mask=mask,
-            position_ids=q.unsqueeze(0),
+            position_ids=position_ids,
             cache=Cache(layers=layers),
             use_cache=True,
             logits_to_keep=1,
@@ -1034,14 +1051,14 @@ class InferenceEngine:
         with self._cond:
             self._stats["busy_seconds"] += dt
             self._stats["prefill_seconds"] += dt
-            self._stats["prefill_tokens"] += len(rest)
-            self._stats["prefix_cache_hits"] += 1
-            self._stats["prefix_cache_hit_tokens"] += n_cached
-        plan = _make_plan([req.params])
-        tokens = self._sample_and_record([req], out.logits[:, -1, :], plan)
-        if req.finish_reason is None:
-            new = _Batch(reqs=[req], layers=layers, pad=torch.zeros(1, dtype=torch.long), length=n,
-                         pending=tokens, plan=plan)
+            self._stats["prefill_tokens"] += S * len(hits)
+            self._stats["prefix_cache_hits"] += len(hits)
+            self._stats["prefix_cache_hit_tokens"] += sum(cached)
+        plan = _make_plan([r.params for r in reqs])
+        tokens = self._sample_and_record(reqs, out.logits[:, -1, :], plan)
+        new = _Batch(reqs=reqs, layers=layers, pad=pad, length=length, pending=tokens, plan=plan)
+        new = _select(new, [i for i, r in enumerate(reqs) if r.finish_reason is None])
+        if new is not None:
             self._batch = _merge(self._batch, new)
 
     def _decode(self) -> None:
