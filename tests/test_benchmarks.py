@@ -39,6 +39,17 @@ def test_engine_benchmark_quick():
     assert 0 < r["engine_latency_s"]["p50"] <= r["engine_latency_s"]["p99"] <= r["engine_wall_s"] + 1e-6
 
 
+def test_prefix_cache_benchmark_quick():
+    r = _run("prefix_cache.py")
+    off, on = r["off"], r["on"]
+    assert off["prefix_cache_hits"] == 0 and off["trajectories"] == on["trajectories"] == 16
+    # every admitted token is either run through the model, deduplicated, or served from the cache
+    assert (off["prefill_tokens"] + off["prefill_dedup_tokens"]
+            == on["prefill_tokens"] + on["prefill_dedup_tokens"] + on["prefix_cache_hit_tokens"])
+    assert r["identical_responses"] == 1.0  # the same computation: the same responses here
+    assert r["engine_busy_ratio_off_over_on"] == pytest.approx(off["engine_busy_s"] / on["engine_busy_s"])
+
+
 def test_trainer_benchmark_quick():
     r = _run("trainer.py")
     for side in ("naive", "conveyor"):
