@@ -975,27 +975,14 @@ class InferenceEngine:
         # Padding queries attend to themselves only, so no attention row is fully masked.
         mask = (causal.unsqueeze(0) & real.unsqueeze(1)) | eye.unsqueeze(0)
         layers = [_KVLayer() for _ in range(self._num_layers)]
-        t0 = time.perf_counter()
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask.unsqueeze(1),
-            position_ids=position_ids,
-            cache=Cache(layers=layers),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        dt = time.perf_counter() - t0
-        with self._cond:
-            self._stats["busy_seconds"] += dt
-            self._stats["prefill_seconds"] += dt
-            self._stats["prefill_tokens"] += sum(len(s) for s in seqs)
-            self._stats["prefill_dedup_tokens"] += sum(len(s) for s in all_seqs) - sum(len(s) for s in seqs)
+        logits = self._prefill_forward(ids, mask.unsqueeze(1), position_ids, layers,
+                                       prefill_tokens=sum(len(s) for s in seqs),
+                                       prefill_dedup_tokens=sum(len(s) for s in all_seqs) - sum(len(s) for s in seqs))
         if self._prefix_cache.max_tokens:  # each prompt but its last token: a later group-mate runs 1 token
             for b, s in enumerate(seqs):
                 p = int(pad[b])
                 self._prefix_cache.insert(s[:-1], lambda b=b, p=p: [
                     (la.kbuf[b, :, p : length - 1].clone(), la.vbuf[b, :, p : length - 1].clone()) for la in layers])
-        logits = out.logits[:, -1, :]
         if len(seqs) < len(reqs):  # every request its own row (its own sampling stream)
             idx = torch.tensor(row_of, dtype=torch.long)
             layers = [_KVLayer(la.kbuf.index_select(0, idx), la.vbuf.index_select(0, idx), la.length) for la in layers]
@@ -1006,6 +993,21 @@ class InferenceEngine:
         new = _select(new, [i for i, r in enumerate(reqs) if r.finish_reason is None])
         if new is not None:
             self._batch = _merge(self._batch, new)
+
+    def _prefill_forward(self, ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
+                         layers: list[_KVLayer], **counts: int) -> torch.Tensor:
+        """One prefill forward pass into ``layers``: the last position's logits ``[B, V]``; its
+        seconds count as busy and prefill time, ``counts`` are added to the stats."""
+        t0 = time.perf_counter()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
+                         cache=Cache(layers=layers), use_cache=True, logits_to_keep=1)
+        dt = time.perf_counter() - t0
+        with self._cond:
+            self._stats["busy_seconds"] += dt
+            self._stats["prefill_seconds"] += dt
+            for k, v in counts.items():
+                self._stats[k] += v
+        return out.logits[:, -1, :]
 
     def _prefill_from_prefix(self, hits: list[tuple[_Request, int, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
         """Admit requests whose first tokens have cached keys / values (the prefix cache): only
@@ -1038,24 +1040,11 @@ class InferenceEngine:
         real = cols.unsqueeze(0) >= pad.unsqueeze(1)  # [B, length]
         mask = (causal.unsqueeze(0) & real.unsqueeze(1)).unsqueeze(1)  # [B, 1, S, length]
         position_ids = torch.tensor(cached, dtype=torch.long).unsqueeze(1) + torch.arange(S).unsqueeze(0)
-        t0 = time.perf_counter()
-        out = self.model(
-            input_ids=torch.tensor(rest, dtype=torch.long),
-            attention_mask=mask,
-            position_ids=position_ids,
-            cache=Cache(layers=layers),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        dt = time.perf_counter() - t0
-        with self._cond:
-            self._stats["busy_seconds"] += dt
-            self._stats["prefill_seconds"] += dt
-            self._stats["prefill_tokens"] += S * len(hits)
-            self._stats["prefix_cache_hits"] += len(hits)
-            self._stats["prefix_cache_hit_tokens"] += sum(cached)
+        logits = self._prefill_forward(torch.tensor(rest, dtype=torch.long), mask, position_ids, layers,
+                                       prefill_tokens=S * len(hits), prefix_cache_hits=len(hits),
+                                       prefix_cache_hit_tokens=sum(cached))
         plan = _make_plan([r.params for r in reqs])
-        tokens = self._sample_and_record(reqs, out.logits[:, -1, :], plan)
+        tokens = self._sample_and_record(reqs, logits, plan)
         new = _Batch(reqs=reqs, layers=layers, pad=pad, length=length, pending=tokens, plan=plan)
         new = _select(new, [i for i, r in enumerate(reqs) if r.finish_reason is None])
         if new is not None:
