@@ -159,7 +159,6 @@ class RolloutController:
             ones (earliest deadline first; docs/results/main_job.md). Needs an engine with
             ``supports_priority`` (others run FIFO). ``"fifo"``: requests in arrival order (a
             tool call's next turn queues behind every request submitted meanwhile).
-
         max_engine_waiting: Engine-aware admission (issue 16): besides the capacity rule, a new
             episode starts only while the engine's waiting queue (``engine.stats()["waiting"]``,
             requests submitted and not yet in its running batch) holds at most this many
@@ -167,7 +166,8 @@ class RolloutController:
             ``min(max_concurrent, (eta + 1) * B)`` trajectories in flight, and those beyond the
             engine's batch only wait in its queue: their time in flight, and so their staleness
             and the share dropped as stale, grows without any gain in throughput. None: the
-            capacity rule alone (AReaL).
+            capacity rule alone (AReaL). The check calls ``engine.stats()`` in the controller's
+            event loop: meant for an in-process engine (a remote one answers over HTTP).
 
     Raises:
         ValueError: ``priority`` is not ``"oldest_first"`` or ``"fifo"``, or ``max_engine_waiting``
