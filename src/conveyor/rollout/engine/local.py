@@ -774,14 +774,20 @@ class InferenceEngine:
         at their previous setting.
         """
         if self._num_threads is not None:
-            previous = torch.get_num_threads()  # lazy per-thread init; returns the default
-            self._default_threads = previous
+            self._default_threads = torch.get_num_threads()  # lazy per-thread init; returns the default
             torch.set_num_threads(self._num_threads)
-            helper = threading.Thread(target=torch.set_num_threads, args=(previous,))
-            helper.start()
-            helper.join()
+            self._restore_default_threads()
         with self._cond:
             self._stats["num_threads"] = torch.get_num_threads()
+
+    def _restore_default_threads(self) -> None:
+        """Put the process-wide default thread count back (set from a short-lived helper thread,
+        so the decode thread keeps its own count); nothing before the decode thread set one."""
+        default = getattr(self, "_default_threads", None)
+        if default is not None:
+            helper = threading.Thread(target=torch.set_num_threads, args=(default,))
+            helper.start()
+            helper.join()
 
     def set_num_threads(self, n: int) -> None:
         """Change the decode thread's intra-op thread count from its next step on (elastic
@@ -809,11 +815,7 @@ class InferenceEngine:
         if n is None or n == torch.get_num_threads():
             return
         torch.set_num_threads(n)
-        default = getattr(self, "_default_threads", None)
-        if default is not None:
-            helper = threading.Thread(target=torch.set_num_threads, args=(default,))
-            helper.start()
-            helper.join()
+        self._restore_default_threads()
         with self._cond:
             self._stats["num_threads"] = n
             self._stats["thread_changes"] += 1
@@ -1075,9 +1077,9 @@ class InferenceEngine:
             prof[1] += dt
         batch.pending = self._sample_and_record(batch.reqs, out.logits[:, -1, :], batch.plan)
         done = [r.finish_reason is not None for r in batch.reqs]
-        if any(done) and self._prefix_cache.max_tokens:
-            self._cache_finished(batch, done)
         if any(done):
+            if self._prefix_cache.max_tokens:
+                self._cache_finished(batch, done)
             self._batch = _select(batch, [i for i, d in enumerate(done) if not d])
 
     def _cache_finished(self, batch: _Batch, done: list[bool]) -> None:
