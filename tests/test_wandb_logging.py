@@ -181,7 +181,8 @@ def test_missing_wandb_is_a_clear_error_at_start(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------- a real offline run
 def _records(path: Path):
     """The protobuf records of a W&B transaction log (``run-<id>.wandb``: LevelDB log format,
-    32 KiB blocks, 7-byte ``:W&B`` file header, 7-byte record headers)."""
+    32 KiB blocks, 7-byte ``:W&B`` file header, 7-byte record headers). Stops before a record
+    that is not completely written yet (CI once read a half-written one mid-flush)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     buf = path.read_bytes()
@@ -193,6 +194,8 @@ def _records(path: Path):
             pos += left
             continue
         _crc, length, kind = struct.unpack("<IHB", buf[pos:pos + 7])
+        if kind == 0 or pos + 7 + length > len(buf):
+            return  # the service is still writing this record: the caller reads again later
         data = buf[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 2):  # full / first
