@@ -73,9 +73,12 @@ def test_ray_run_starts_its_own_cluster_trains_evaluates_and_checkpoints(tmp_pat
         ray.shutdown()
     run = tmp_path / "r"
     cfg = load_config(None, BASE + RAY + ["trainer.total_steps=3", "async.eta=1", f"run.dir={run}",
-                                          "rollout.engine_dtype=bfloat16", "rollout.priority=oldest_first"])
+                                          "rollout.engine_dtype=auto", "trainer.bf16=true",
+                                          "rollout.priority=oldest_first", "async.wait_for_expiring=true"])
     res = run_training(cfg)
     assert res.steps == 3 and not res.interrupted
+    # engine_dtype=auto follows the trainer's bf16 autocast, resolved before the actor builds its engine
+    assert json.loads((run / "engine_stats.json").read_text())["dtype"] == "bfloat16"
     assert not ray.is_initialized()  # the local cluster the run started is gone
     rows = rows_of(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -123,6 +123,9 @@ def test_elastic_threads_lend_the_trainers_threads_for_the_wait_only():
         def hand_out(self, batch):
             return batch
 
+        def take_batch(self, n, version):
+            return buf.get_batch(n, version)
+
     eng = Eng()
     buf = TrajectoryBuffer(None)
     buf.put([Trajectory(sample=Sample("a", "q", "1", "t"), group_id=f"a#{i}", prompt_ids=[1], response_ids=[2],
@@ -191,3 +194,93 @@ def test_engine_aware_admission_starts_episodes_only_while_the_engine_queue_is_s
     with pytest.raises(ValueError, match="max_engine_waiting must be None or an int >= 0"):
         RolloutController(eng, OneTurnWorkflow(), DataStream([Sample("0", "q", "1", "t")]), staleness,
                           TrajectoryBuffer(None), group_size=2, max_engine_waiting=-1)
+
+
+# ---------------------------------------------------------------- deadline-aware hand-out
+def test_buffer_holds_a_batch_back_only_for_expiring_groups_that_fit():
+    def group(name, age):
+        return [Trajectory(sample=Sample(name, "q", "1", "t"), group_id=f"{name}{i}", prompt_ids=[1],
+                           response_ids=[2], behaviour_logprobs=[0.0], versions=[age]) for i in range(2)]
+
+    buf = TrajectoryBuffer(eta=2)
+    for name, age in (("a", 3), ("b", 4), ("c", 5)):
+        buf.put(group(name, age))
+    # at v = 5 groups of age 3 (= 5 - eta) expire after this batch: "a" (2 buffered)
+    assert buf.get_batch(4, 5, pending_expiring=2) is None  # 2 buffered + 2 in flight fit in 4: wait
+    assert buf.size() == 6  # nothing removed
+    assert buf.get_batch(4, 5, pending_expiring=4) is not None  # 2 + 4 > 4: waiting cannot save them all
+    buf.put(group("a", 3)), buf.put(group("b", 4))
+    assert [t.group_id for t in buf.get_batch(4, 5)] == ["a0", "a1", "b0", "b1"]  # none pending: as before
+    with pytest.raises(ValueError, match="pending_expiring"):
+        buf.get_batch(2, 5, pending_expiring=-1)
+    assert TrajectoryBuffer(eta=None).get_batch(1, 0, pending_expiring=1) is None  # empty, no error
+
+
+class VersionedWorkflow:
+    """Each episode's trajectories carry the policy version at its start; the first episode
+    started (the straggler) finishes only when ``gate`` is set."""
+
+    def __init__(self, controller_ref: list, gate: threading.Event) -> None:
+        self.ref, self.gate, self.started = controller_ref, gate, 0
+
+    async def run_episode(self, engine, sample):
+        n, version = self.started, self.ref[0].version
+        self.started += 1
+        while n == 0 and not self.gate.is_set():
+            await asyncio.sleep(0.01)
+        return [Trajectory(sample=sample, group_id=f"e{n}#{i}", prompt_ids=[1], response_ids=[2],
+                           behaviour_logprobs=[0.0], versions=[version]) for i in range(2)]
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_wait_for_expiring_trains_the_straggler_instead_of_dropping_it(wait):
+    """eta = 1, one group of 2 per batch. Episode 0 (admitted at version 0) is slow. Without
+    waiting, the batch at version 1 takes a younger group and episode 0 is dropped at version 2;
+    with ``wait_for_expiring`` the batch at version 1 waits for it and nothing is dropped."""
+    samples = [Sample(str(i), "q", "1", "t") for i in range(8)]
+    staleness = StalenessManager(batch_size=2, eta=1, max_concurrent=64)
+    buf = TrajectoryBuffer(1, on_drop=staleness.on_drop)
+    gate, ref = threading.Event(), []
+    c = RolloutController(RecordingEngine(False), VersionedWorkflow(ref, gate), DataStream(samples, seed=0),
+                          staleness, buf, group_size=2, wait_for_expiring=wait)
+    ref.append(c)
+    stop = threading.Event()
+    take = lambda v: wait_for_batch(buf, 2, lambda: v, stop=stop, take=c.take_batch, poll_s=0.05)  # noqa: E731
+    c.start()
+    try:
+        groups = []
+        assert c.expiring_inflight(0) == 0  # admitted at 0 > 0 - eta: not expiring yet
+        groups.append(take(0)[0].group_id)  # episode 1 (episode 0 is still running)
+        c.set_version(1)
+        assert c.expiring_inflight(1) == 2  # episode 0: admitted at 0 <= 1 - 1
+        if wait:
+            timer = threading.Timer(0.5, gate.set)
+            timer.start()
+            t0 = __import__("time").monotonic()
+            groups.append(take(1)[0].group_id)
+            assert __import__("time").monotonic() - t0 >= 0.4  # it waited for the straggler
+        else:
+            groups.append(take(1)[0].group_id)  # a younger group, at once
+            gate.set()
+        c.set_version(2)
+        groups.append(take(2)[0].group_id)
+    finally:
+        stop.set()
+        c.stop()
+    if wait:
+        assert groups[:2] == ["e1#0", "e0#0"] and buf.stats()["dropped_stale"] == 0
+    else:
+        assert groups[:2] == ["e1#0", "e2#0"] and buf.stats()["dropped_stale"] == 2
+        assert [r["group"] for r in c.take_not_trained()] == ["e0#0"]
+
+
+def test_engine_dtype_auto_follows_the_trainers_bf16_autocast():
+    from conveyor.config import load_config
+    from conveyor.runtime.inline import resolve_engine_dtype
+
+    auto = load_config(None, ["rollout.engine_dtype=auto"])
+    assert resolve_engine_dtype(auto, True).rollout.engine_dtype == "bfloat16"
+    assert resolve_engine_dtype(auto, False).rollout.engine_dtype == "float32"
+    assert auto.rollout.engine_dtype == "auto"  # a copy: the run's config is unchanged
+    fixed = load_config(None, ["rollout.engine_dtype=float32"])
+    assert resolve_engine_dtype(fixed, True) is fixed  # an explicit dtype is kept

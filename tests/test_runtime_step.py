@@ -135,6 +135,9 @@ def test_local_rollout_is_a_rollout_port_over_the_buffer():
         def apply_old_logprobs(self, patches):
             self.patches = patches
 
+        def take_batch(self, n, version):  # the controller's buffer, here the one below
+            return buf.get_batch(n, version)
+
     buf = TrajectoryBuffer(1)
     buf.put([traj(), traj()])
     c = Controller()

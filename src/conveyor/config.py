@@ -102,11 +102,12 @@ class RolloutConfig(_Strict):
     elastic_threads: bool = Field(
         default=False, description="inline runtime: while the trainer waits for a batch, the engine decodes with the "
                                    "trainer's threads as well (given back before the update; elastic cores)")
-    engine_dtype: Literal["float32", "bfloat16"] = Field(
-        default="float32", description="dtype of the engine's weights and activations: bfloat16 decodes ~1.5-1.9x "
-                                       "faster where the CPU has bf16 arithmetic (avx512_bf16 / AMX) at a wider "
-                                       "behaviour-weight spread at staleness 0 (docs/results/main_job.md); logits are "
-                                       "sampled in float32 either way")
+    engine_dtype: Literal["float32", "bfloat16", "auto"] = Field(
+        default="float32", description="dtype of the engine's weights and activations: bfloat16 decodes ~2x faster "
+                                       "where the CPU has bf16 arithmetic (avx512_bf16 / AMX), and its log-probs are "
+                                       "closer to a bf16-autocast trainer's than float32's (docs/results/main_job.md); "
+                                       "auto: bfloat16 when the trainer runs bf16 autocast (trainer.bf16 resolved), "
+                                       "else float32; logits are sampled in float32 either way")
     filter_all_equal: bool = Field(default=False, description="dynamic filtering: drop groups whose rewards are all equal (DAPO)")
     max_filtered_in_a_row: int = Field(default=64, ge=1, description="stop refilling after this many consecutively filtered groups and report")
     env_latency: EnvLatencyConfig = Field(default_factory=lambda: EnvLatencyConfig())
@@ -211,6 +212,10 @@ class AsyncConfig(_Strict):
     ratio_step: float = Field(default=0.1, gt=0, le=1, description="adaptive: the ratio's change per update")
     variance_threshold: float = Field(default=0.15, ge=0, description="adaptive: batch reward variance above which "
                                                                       "the ratio moves toward on-policy")
+    wait_for_expiring: bool = Field(
+        default=False, description="deadline-aware hand-out: a batch waits for groups still in flight that were "
+                                   "admitted eta versions ago (it is their last chance) instead of filling up with "
+                                   "younger groups and dropping the stragglers as stale at the next version")
 
 
 class RewardConfig(_Strict):

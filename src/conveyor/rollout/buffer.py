@@ -164,7 +164,8 @@ class TrajectoryBuffer:
         self._notify_drop(dropped)
         return dropped
 
-    def get_batch(self, n_trajectories: int, current_version: int) -> list[Trajectory] | None:
+    def get_batch(self, n_trajectories: int, current_version: int, *,
+                  pending_expiring: int = 0) -> list[Trajectory] | None:
         """Hand out exactly ``n_trajectories`` trajectories from the oldest fresh groups, or None.
 
         First drops stale groups (as :meth:`drop_stale`). Then walks the groups oldest first
@@ -176,9 +177,19 @@ class TrajectoryBuffer:
         ``n``). When every group size divides ``n_trajectories`` (the usual case: fixed group
         size ``G`` and ``B`` a multiple of ``G``) this is exactly oldest-first.
 
+        Waiting for expiring groups (``pending_expiring > 0``; ``async.wait_for_expiring``,
+        docs/results/main_job.md): ``pending_expiring`` trajectories still in flight expire at
+        this version (their group would be older than ``current_version + 1 - eta`` at the next
+        one, so this batch is their last chance). If they fit into this batch together with the
+        buffered groups that expire now (age ``<= current_version - eta``), nothing is handed
+        out (None): the caller waits for them instead of filling the batch with younger groups
+        and dropping the stragglers at the next version. When they cannot fit, the batch is
+        formed as usual (waiting could not save them all).
+
         Args:
             n_trajectories: Batch size in trajectories (>= 1).
             current_version: The trainer's policy version (>= 0), for the staleness check.
+            pending_expiring: Trajectories in flight that expire at this version (>= 0).
 
         Returns:
             The batch (each trajectory handed out once, ever), or None.
@@ -188,12 +199,18 @@ class TrajectoryBuffer:
         """
         check_int("n_trajectories", n_trajectories, 1)
         check_int("current_version", current_version, 0)
+        check_int("pending_expiring", pending_expiring, 0)
         batch: list[Trajectory] | None = None
         with self._cond:
             dropped = self._drop_stale_locked(current_version)
             taken: list[int] = []
             total = 0
-            if self._size >= n_trajectories:
+            wait = False
+            if pending_expiring and self._eta is not None:
+                last = current_version - self._eta  # groups of this age expire after this batch
+                expiring = sum(len(g) for age, _, g in self._groups if age <= last)
+                wait = expiring + pending_expiring <= n_trajectories
+            if self._size >= n_trajectories and not wait:
                 for idx, (_, _, group) in enumerate(self._groups):
                     if total + len(group) <= n_trajectories:
                         taken.append(idx)

@@ -168,6 +168,14 @@ class RolloutController:
             and the share dropped as stale, grows without any gain in throughput. None: the
             capacity rule alone (AReaL). The check calls ``engine.stats()`` in the controller's
             event loop: meant for an in-process engine (a remote one answers over HTTP).
+        wait_for_expiring: Deadline-aware hand-out (``async.wait_for_expiring``, issue 16):
+            :meth:`take_batch` waits for groups still in flight that were admitted at version
+            ``v - eta`` or earlier (this batch is their last chance) instead of filling the
+            batch with younger groups and dropping the stragglers as stale at the next version
+            (:meth:`TrajectoryBuffer.get_batch <conveyor.rollout.buffer.TrajectoryBuffer.get_batch>`).
+            A group's age (its oldest token) is at least its admission version, so the count is
+            conservative: it may wait for a group that would have been young enough anyway,
+            never the other way round.
 
     Raises:
         ValueError: ``priority`` is not ``"oldest_first"`` or ``"fifo"``, or ``max_engine_waiting``
@@ -176,7 +184,7 @@ class RolloutController:
 
     def __init__(self, engine, workflow: RolloutWorkflow, data: DataStream, staleness: StalenessManager, buffer: TrajectoryBuffer, *, group_size: int, filter_all_equal: bool = False, max_filtered_in_a_row: int = 64, version: int = 0,
                  max_failed_in_a_row: int = 100, on_skip=None, priority: str = "fifo",
-                 max_engine_waiting: int | None = None):
+                 max_engine_waiting: int | None = None, wait_for_expiring: bool = False):
         if priority not in ("oldest_first", "fifo"):
             raise ValueError(f"priority must be 'oldest_first' or 'fifo', got {priority!r}")
         self.priority = priority if getattr(engine, "supports_priority", False) else "fifo"
@@ -184,6 +192,7 @@ class RolloutController:
                                                or max_engine_waiting < 0):
             raise ValueError(f"max_engine_waiting must be None or an int >= 0, got {max_engine_waiting!r}")
         self.max_engine_waiting = max_engine_waiting
+        self.wait_for_expiring = bool(wait_for_expiring)
         self.max_failed_in_a_row = max_failed_in_a_row
         self.on_skip = on_skip
         self._failed_in_a_row = 0
@@ -202,6 +211,7 @@ class RolloutController:
         self.warmup_batches = 0
         self._filtered_in_a_row = 0
         self._inflight: dict[int, int] = {}  # episode id -> sample index
+        self._admitted_at: dict[int, int] = {}  # episode id -> policy version at admission
         # samples handed out that will never reach the trainer, not yet in the audit trail
         # (take_not_trained); checkpointed, so the records survive a crash exactly
         self._ledger: list[dict] = []
@@ -258,6 +268,23 @@ class RolloutController:
         """Store old-log-prob patches (:class:`~conveyor.rollout.old_logprobs.OldLogprobPatch`)
         for the trajectories they address; returns the token values stored."""
         return self.old_logprobs.apply(patches)
+
+    def expiring_inflight(self, version: int) -> int:
+        """Trajectories of episodes in flight admitted at policy version ``version - eta`` or
+        earlier: a batch taken at trainer ``version`` is the last one they can join (0 with
+        ``eta = None``)."""
+        eta = self.buffer.eta
+        if eta is None:
+            return 0
+        with self._lock:
+            return self.group_size * sum(v <= version - eta for v in self._admitted_at.values())
+
+    def take_batch(self, n: int, version: int) -> list[Trajectory] | None:
+        """The buffer's :meth:`~conveyor.rollout.buffer.TrajectoryBuffer.get_batch` at trainer
+        ``version``, holding the batch back while expiring groups are in flight when
+        ``wait_for_expiring`` is on; None: not ready yet (call again)."""
+        pending = self.expiring_inflight(version) if self.wait_for_expiring else 0
+        return self.buffer.get_batch(n, version, pending_expiring=pending)
 
     def hand_out(self, batch: list[Trajectory]) -> list[Trajectory]:
         """A batch leaving for the trainer: its old-log-prob patches are attached
@@ -381,6 +408,7 @@ class RolloutController:
                         eid = self._episode_ids
                         self._episode_ids += 1
                         self._inflight[eid] = idx
+                        self._admitted_at[eid] = self._version
                     self.staleness.on_start(self.group_size)
                     self.stats.episodes_started += 1
                     t = asyncio.create_task(self._episode(eid, sample))
@@ -410,6 +438,7 @@ class RolloutController:
         except PromptTooLongError as e:  # retrying can never help: drop the sample for good
             with self._lock:
                 idx = self._inflight.pop(eid, None)
+                self._admitted_at.pop(eid, None)
                 if idx is not None:
                     self.data.skip.add(idx)
                 self._ledger.append({"sample": sample.id, "outcome": "prompt_too_long"})
@@ -433,6 +462,7 @@ class RolloutController:
                             extra={"console": False})
             with self._lock:
                 self._inflight.pop(eid, None)
+                self._admitted_at.pop(eid, None)
                 self._ledger.append({"sample": sample.id, "outcome": "failed",
                                      "error": self.stats.last_error[:200]})
             self.staleness.on_reject(G)
@@ -466,6 +496,7 @@ class RolloutController:
             self.staleness.on_accept(G)
         with self._lock:
             self._inflight.pop(eid, None)
+            self._admitted_at.pop(eid, None)
             if accept:
                 self.buffer.put(group)
             else:  # filtered (all-equal rewards) or rejected by the workflow (None)
@@ -502,7 +533,8 @@ class RolloutController:
         }
 
 
-def wait_for_batch(buffer: TrajectoryBuffer, n: int, version_fn, *, poll_s: float = 0.2, health_fn=None, stop: threading.Event | None = None) -> list[Trajectory] | None:
+def wait_for_batch(buffer: TrajectoryBuffer, n: int, version_fn, *, poll_s: float = 0.2, health_fn=None, stop: threading.Event | None = None,
+                   take=None) -> list[Trajectory] | None:
     """Block until the buffer can hand out ``n`` trajectories at the current version.
 
     Args:
@@ -512,9 +544,12 @@ def wait_for_batch(buffer: TrajectoryBuffer, n: int, version_fn, *, poll_s: floa
         poll_s: Seconds between checks (s).
         health_fn: Called on every poll; raise from it to abort (e.g. the controller crashed).
         stop: When set, return None.
+        take: ``take(n, version) -> batch | None`` in place of ``buffer.get_batch`` (e.g.
+            :meth:`RolloutController.take_batch`, which may hold a batch back for expiring groups).
     """
+    take = buffer.get_batch if take is None else take
     while True:
-        batch = buffer.get_batch(n, version_fn())
+        batch = take(n, version_fn())
         if batch is not None:
             return batch
         if stop is not None and stop.is_set():

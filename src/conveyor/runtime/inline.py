@@ -17,6 +17,7 @@ Components share no mutable objects: the engine has its own copy of the weights 
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -53,7 +54,9 @@ from conveyor.runtime.step import LocalRollout, run_step
 from conveyor.runtime_files import atomic_write
 from conveyor.trainer.trainer import NonFiniteLossError, Trainer
 
-__all__ = ["InlineRollout", "LoopResult", "RolloutSide", "build_rollout", "critic_warmup", "heldout_eval",
+log = logging.getLogger(__name__)
+
+__all__ = ["InlineRollout", "LoopResult", "RolloutSide", "build_rollout", "critic_warmup", "heldout_eval", "resolve_engine_dtype",
            "train_loop"]
 
 
@@ -172,6 +175,19 @@ def build_workflow(cfg: TrainConfig, tokenizer, reward_service: RewardService, *
     return workflow
 
 
+def resolve_engine_dtype(cfg: TrainConfig, trainer_bf16: bool) -> TrainConfig:
+    """``cfg`` with ``rollout.engine_dtype=auto`` resolved (a copy; other values: ``cfg`` itself):
+    ``bfloat16`` when the trainer runs bf16 autocast (``trainer_bf16``, ``trainer.bf16`` after
+    its ``auto`` choice), so the engine samples at the precision the trainer scores at
+    (docs/results/main_job.md section 3), else ``float32``. The engine (in process or in a Ray
+    actor) is built from the resolved value."""
+    if cfg.rollout.engine_dtype != "auto":
+        return cfg
+    dtype = "bfloat16" if trainer_bf16 else "float32"
+    log.info("rollout.engine_dtype=auto: %s (trainer bf16 autocast %s)", dtype, "on" if trainer_bf16 else "off")
+    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine_dtype": dtype})})
+
+
 def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, train_samples, *,
                   engine_threads: int, logger: MetricsLogger, ctx: RunContext, n_too_long: int = 0,
                   state: dict | None = None) -> RolloutSide:
@@ -184,6 +200,7 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
         n_too_long: Prompts dropped up front by the preflight (the controller's counter).
         state: The checkpoint's ``state.pt`` contents when resuming.
     """
+    cfg = resolve_engine_dtype(cfg, trainer.bf16)
     engine_model = copy.deepcopy(trainer.model).eval()
     for p in engine_model.parameters():
         p.requires_grad_(False)
@@ -216,7 +233,8 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
         staleness, buffer,
         group_size=G, filter_all_equal=cfg.rollout.filter_all_equal,
         max_filtered_in_a_row=cfg.rollout.max_filtered_in_a_row, priority=cfg.rollout.priority,
-        max_engine_waiting=cfg.rollout.max_engine_waiting, version=trainer.version,
+        max_engine_waiting=cfg.rollout.max_engine_waiting, wait_for_expiring=cfg.asynchronous.wait_for_expiring,
+        version=trainer.version,
         on_skip=lambda s, why: logger.event("prompt_too_long", sample=s.id, reason=why),
     )
     ctx.stack.callback(controller.stop)

@@ -271,7 +271,8 @@ class RolloutActor:
             staleness, self.buffer,
             group_size=G, filter_all_equal=cfg.rollout.filter_all_equal,
             max_filtered_in_a_row=cfg.rollout.max_filtered_in_a_row, priority=cfg.rollout.priority,
-            max_engine_waiting=cfg.rollout.max_engine_waiting, version=version, on_skip=self._on_skip)
+            max_engine_waiting=cfg.rollout.max_engine_waiting, version=version, on_skip=self._on_skip,
+            wait_for_expiring=cfg.asynchronous.wait_for_expiring)
         self.controller.stats.prompts_too_long = n_too_long
         self.controller.set_warmup_batches(warmup_batches)
         if controller_state is not None:
@@ -299,7 +300,7 @@ class RolloutActor:
         with its old-log-prob patches attached, or None when none is ready in time."""
         deadline = time.monotonic() + wait_s
         while True:
-            batch = self.buffer.get_batch(n, version)
+            batch = self.controller.take_batch(n, version)
             if batch is not None:
                 return self.controller.hand_out(batch)
             left = deadline - time.monotonic()
@@ -988,9 +989,10 @@ def build_ray_rollout(cfg, trainer, train_samples, *, engine_threads: int, logge
         RolloutActorError: the actor cannot start or build (the actor's message, e.g. a reward
             module that does not import on the worker).
     """
-    from conveyor.runtime.inline import RolloutSide
+    from conveyor.runtime.inline import RolloutSide, resolve_engine_dtype
     from conveyor.runtime.publish import publisher_for, tracks_partials
 
+    cfg = resolve_engine_dtype(cfg, trainer.bf16)  # the actor builds its engine from the resolved value
     ray = require_ray()
     shutdown = connect_ray(cfg.runtime)
     if shutdown is not None:

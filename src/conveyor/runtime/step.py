@@ -84,12 +84,14 @@ class LocalRollout:
 
     def next_batch(self, n: int, version: int, *, health=None, stop=None) -> list[Trajectory] | None:
         if self.elastic is None:
-            batch = wait_for_batch(self.buffer, n, lambda: version, health_fn=health, stop=stop)
+            batch = wait_for_batch(self.buffer, n, lambda: version, health_fn=health, stop=stop,
+                                   take=self.controller.take_batch)
         else:  # lend the trainer's cores to the engine for the wait (a ready batch: no change at all)
             engine, own, lent = self.elastic
             engine.set_num_threads(lent)
             try:
-                batch = wait_for_batch(self.buffer, n, lambda: version, health_fn=health, stop=stop)
+                batch = wait_for_batch(self.buffer, n, lambda: version, health_fn=health, stop=stop,
+                                       take=self.controller.take_batch)
             finally:
                 engine.set_num_threads(own)
         return None if batch is None else self.controller.hand_out(batch)
