@@ -2,32 +2,76 @@
 
 The figures themselves are measured by the full runs and recorded under docs/results/; these tests
 only check that each script runs end to end on the tiny model and that its output is consistent.
+
+The scripts run as subprocesses, two at a time (longest first), all started by the first test of
+this module that needs one: half of this module's wall-clock on two cores (it was about half of
+the whole suite's). Only the scripts of the selected tests run (``-k`` picks one, it runs one).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+WORKERS = 2  # scripts running at once
+
+# test -> (script, arguments; "{out}" is this module's scratch directory). Longest first (seconds
+# measured one at a time on the 2-core development VM): the pool runs them in this order.
+SCRIPTS: dict[str, tuple[str, list[str]]] = {
+    "test_chaos_quick": ("chaos.py", ["--json", "{out}/chaos.json"]),  # ~95 s
+    "test_async_vs_sync_benchmark_quick": ("async_vs_sync.py", ["--out", "{out}/avs"]),  # ~90 s
+    "test_runtime_overhead_benchmark_quick": ("runtime_overhead.py", []),  # ~83 s
+    "test_proximal_costs_benchmark_quick": ("proximal_costs.py", []),  # ~73 s
+    "test_staleness_robustness_benchmark_quick": ("staleness_robustness.py", ["--out", "{out}/st"]),  # ~59 s
+    "test_trainer_benchmark_quick": ("trainer.py", []),  # ~41 s
+    "test_critic_benchmark_quick": ("critic.py", ["--json", "{out}/critic.json"]),  # ~20 s
+    "test_prefix_cache_benchmark_quick": ("prefix_cache.py", []),  # ~13 s
+    "test_engine_benchmark_quick": ("engine.py", ["--dtype", "bfloat16", "--baseline"]),  # ~12 s
+    "test_behaviour_weight_benchmark_quick": ("behaviour_weight.py", ["--compare"]),  # ~10 s
+    "test_weight_sync_benchmark_quick": ("weight_sync.py", []),  # ~10 s
+}
 
 
-def _run(script: str, *args: str) -> dict:
+def _launch(script: str, args: list[str]) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", *args], capture_output=True,
-                       text=True, env=env, cwd=ROOT, timeout=600)
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def quick(request, tmp_path_factory):
+    """``(futures, out)``: each selected test's script started in the pool (its completed
+    process), and the scratch directory its ``{out}`` arguments point into."""
+    out = tmp_path_factory.mktemp("bench")
+    selected = {item.originalname for item in request.session.items if getattr(item, "module", None) is request.module}
+    pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="bench")
+    futures: dict[str, Future] = {}
+    for test, (script, args) in SCRIPTS.items():
+        if test not in selected or (script == "runtime_overhead.py" and importlib.util.find_spec("ray") is None):
+            continue
+        futures[test] = pool.submit(_launch, script, [a.format(out=out) for a in args])
+    yield futures, out
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _run(quick, test: str) -> dict:
+    """The last JSON line the test's script printed (its result); fails with its stderr."""
+    p = quick[0][test].result()
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
     return json.loads(lines[-1])
 
 
-def test_engine_benchmark_quick():
-    r = _run("engine.py", "--dtype", "bfloat16", "--baseline")
+def test_engine_benchmark_quick(quick):
+    r = _run(quick, "test_engine_benchmark_quick")
     assert r["model"] == "tiny" and r["requests"] == 16 and r["engine_dtype"] == "bfloat16"
     b = r["baseline"]  # today's float32 engine on the same requests, same run
     assert b["dtype"] == "float32" and b["ratio_engine_over_baseline"] == pytest.approx(b["wall_s"] / r["engine_wall_s"])
@@ -39,8 +83,8 @@ def test_engine_benchmark_quick():
     assert 0 < r["engine_latency_s"]["p50"] <= r["engine_latency_s"]["p99"] <= r["engine_wall_s"] + 1e-6
 
 
-def test_prefix_cache_benchmark_quick():
-    r = _run("prefix_cache.py")
+def test_prefix_cache_benchmark_quick(quick):
+    r = _run(quick, "test_prefix_cache_benchmark_quick")
     off, on = r["off"], r["on"]
     assert off["prefix_cache_hits"] == 0 and off["trajectories"] == on["trajectories"] == 16
     # every admitted token is either run through the model, deduplicated, or served from the cache
@@ -50,8 +94,8 @@ def test_prefix_cache_benchmark_quick():
     assert r["engine_busy_ratio_off_over_on"] == pytest.approx(off["engine_busy_s"] / on["engine_busy_s"])
 
 
-def test_trainer_benchmark_quick():
-    r = _run("trainer.py")
+def test_trainer_benchmark_quick(quick):
+    r = _run(quick, "test_trainer_benchmark_quick")
     for side in ("naive", "conveyor"):
         assert r[side]["tokens_per_s"] > 0 and r[side]["peak_rss_gb"] >= r[side]["rss_after_load_gb"] > 0
     assert r["speedup_tokens_per_s"] == pytest.approx(r["conveyor"]["tokens_per_s"] / r["naive"]["tokens_per_s"])
@@ -60,8 +104,8 @@ def test_trainer_benchmark_quick():
     assert r["conveyor_lean"]["tokens_per_s"] > 0 and r["lean_overrides"]["activation_checkpointing"] is True
 
 
-def test_weight_sync_benchmark_quick():
-    r = _run("weight_sync.py")
+def test_weight_sync_benchmark_quick(quick):
+    r = _run(quick, "test_weight_sync_benchmark_quick")
     assert r["tied_aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}
     assert r["message_bytes_fp32"] < r["state_dict_bytes"] and r["message_bytes_bf16"] * 2 == r["message_bytes_fp32"]
     assert r["reencoded_tokens"] > 0 and r["interrupted_requests"] == r["requests"] == r["multi_version_requests"]
@@ -69,10 +113,10 @@ def test_weight_sync_benchmark_quick():
     assert r["keep_kv"]["reencoded_tokens"] == 0 and r["keep_kv"]["multi_version_requests"] == r["requests"]
 
 
-def test_async_vs_sync_benchmark_quick(tmp_path):
-    r = _run("async_vs_sync.py", "--out", str(tmp_path / "avs"))
-    assert (tmp_path / "avs" / "summary.json").is_file()
-    summ = json.loads((tmp_path / "avs" / "summary.json").read_text())
+def test_async_vs_sync_benchmark_quick(quick):
+    r = _run(quick, "test_async_vs_sync_benchmark_quick")
+    assert (quick[1] / "avs" / "summary.json").is_file()
+    summ = json.loads((quick[1] / "avs" / "summary.json").read_text())
     for prof in ("a", "b"):
         runs = summ["profiles"][prof]["runs"]
         assert set(runs) == {"0", "2"}
@@ -82,8 +126,8 @@ def test_async_vs_sync_benchmark_quick(tmp_path):
     assert r["profile"] == "b"
 
 
-def test_proximal_costs_benchmark_quick():
-    r = _run("proximal_costs.py")
+def test_proximal_costs_benchmark_quick(quick):
+    r = _run(quick, "test_proximal_costs_benchmark_quick")
     assert r["table"]
     rows = {m: (copies, frac) for _eta, m, copies, frac in r["table"][:5]}
     assert set(rows) == {"recompute", "behavior", "interpolate", "ewma", "snapshot"}
@@ -94,23 +138,23 @@ def test_proximal_costs_benchmark_quick():
     assert rows["snapshot"][0] == 3.0  # eta + 1 = 2 snapshots + the scratch model
 
 
-def test_staleness_robustness_benchmark_quick(tmp_path):
-    _run("staleness_robustness.py", "--out", str(tmp_path / "st"))
-    summ = json.loads((tmp_path / "st" / "summary.json").read_text())
+def test_staleness_robustness_benchmark_quick(quick):
+    _run(quick, "test_staleness_robustness_benchmark_quick")
+    summ = json.loads((quick[1] / "st" / "summary.json").read_text())
     cells = {(c["eta"], c["method"]): c for c in summ["cells"]}
     assert set(cells) == {(0, "ppo"), (0, "snapshot"), (2, "ppo"), (2, "snapshot")}
     assert all(c["staleness_max"] <= c["eta"] for c in cells.values())
     assert all(len(c["reward_curve"]) == 2 for c in cells.values())
     assert cells[(2, "snapshot")]["discrepancy_keep_frac"] is not None
     assert all(0.0 <= c["heldout_format_rate"] <= 1.0 for c in cells.values())  # the final policy was evaluated
-    assert (tmp_path / "st" / "curves.png").is_file()
+    assert (quick[1] / "st" / "curves.png").is_file()
 
 
-def test_behaviour_weight_benchmark_quick():
+def test_behaviour_weight_benchmark_quick(quick):
     """Issue 10 section 1 on the tiny model: with sampling-mask replay the behaviour weight is 1
     and every token kept for every setting; without it (same batches) truncation down-weights
     every token by its kept mass."""
-    r = _run("behaviour_weight.py", "--compare")
+    r = _run(quick, "test_behaviour_weight_benchmark_quick")
     cells = {(c["top_p"], c["top_k"]): c for c in r["cells"]}
     assert set(cells) == {(p, k) for p in (1.0, 0.5) for k in (0, 20)}
     for (p, k), c in cells.items():
@@ -126,13 +170,12 @@ def test_behaviour_weight_benchmark_quick():
 
 
 
-def test_critic_benchmark_quick(tmp_path):
+def test_critic_benchmark_quick(quick):
     """SAO's critic cost against GRPO on the tiny model, all rows in one run: every row timed,
     the SAO rows spend time in their critic phase and take exactly K critic optimiser steps
     (fails if the critic phase were skipped or cut short)."""
-    out = tmp_path / "critic.json"
-    r = _run("critic.py", "--json", str(out))
-    assert json.loads(out.read_text()) == r
+    r = _run(quick, "test_critic_benchmark_quick")
+    assert json.loads((quick[1] / "critic.json").read_text()) == r
     assert r["model"] == "tiny" and r["kl_coef"] == 0.0
     rows = {row["name"]: row for row in r["rows"]}
     assert list(rows) == ["grpo", "grpo, prompts not shared", "sao", "sao K=1", "sao attention trained",
@@ -159,14 +202,12 @@ def test_critic_benchmark_quick(tmp_path):
     assert rows["sao critic head"]["critic_params"] < 0.2 * rows["sao"]["critic_params"]
     assert rows["sao 2 head critics (asyppo)"]["critic_params"] == 2 * rows["sao critic head"]["critic_params"]
 
-def test_chaos_quick(tmp_path):
+def test_chaos_quick(quick):
     """The chaos suite's quick mode (3 kill -9 + resume, damaged checkpoints, full disk, 100
     reward faults, non-finite losses): every row passes, and the audit would catch a defect
     (tests/test_chaos_audit.py breaks the logs on purpose)."""
-    out = tmp_path / "chaos.json"
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--quick", "--json", str(out)],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    out = quick[1] / "chaos.json"
+    p = quick[0]["test_chaos_quick"].result()
     rows = json.loads(out.read_text()) if out.is_file() else []
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     names = " ".join(r["name"] for r in rows)
@@ -175,9 +216,9 @@ def test_chaos_quick(tmp_path):
     assert all(r["ok"] and not r["problems"] for r in rows)
 
 
-def test_runtime_overhead_benchmark_quick():
+def test_runtime_overhead_benchmark_quick(quick):
     pytest.importorskip("ray")
-    r = _run("runtime_overhead.py")
+    r = _run(quick, "test_runtime_overhead_benchmark_quick")
     assert [x["runtime"] for x in r["runs"]] == ["inline", "ray"] and all(x["steps"] == 1 for x in r["runs"])
     assert r["ray_over_inline"] == pytest.approx(r["s_per_update"]["ray"] / r["s_per_update"]["inline"])
     t = r["transport"]
