@@ -8,6 +8,7 @@ import asyncio
 import threading
 
 import pytest
+import torch
 
 from conveyor.rollout.buffer import TrajectoryBuffer
 from conveyor.rollout.controller import DataStream, RolloutController, wait_for_batch
@@ -284,3 +285,47 @@ def test_engine_dtype_auto_follows_the_trainers_bf16_autocast():
     assert auto.rollout.engine_dtype == "auto"  # a copy: the run's config is unchanged
     fixed = load_config(None, ["rollout.engine_dtype=float32"])
     assert resolve_engine_dtype(fixed, True) is fixed  # an explicit dtype is kept
+
+
+def test_heldout_evaluation_of_a_bf16_engine_run_runs_the_policy_in_float32(tmp_path, tiny):
+    """``run.eval_dtype=float32`` (default): with a bf16 engine the held-out evaluation runs the
+    trainer's policy in a float32 engine of its own (never the rollout engine), with the same
+    result as evaluating the policy in float32 directly."""
+    import copy
+    from types import SimpleNamespace
+
+    from conveyor.config import load_config
+    from conveyor.data import load_dataset
+    from conveyor.eval import evaluate
+    from conveyor.rollout.engine import InferenceEngine
+    from conveyor.runlog import MetricsLogger
+    from conveyor.runtime.inline import eval_policy, heldout_eval
+
+    base = ["model.name=tiny", "run.eval_max_new_tokens=6", "rollout.tool=none"]
+    cfg = load_config(None, [*base, "rollout.engine_dtype=bfloat16"])
+    trainer = SimpleNamespace(model=tiny.model, bf16=False)
+    assert eval_policy(cfg, trainer) is tiny.model
+    assert eval_policy(load_config(None, [*base, "rollout.engine_dtype=bfloat16", "run.eval_dtype=engine"]), trainer) is None
+    assert eval_policy(load_config(None, [*base, "rollout.engine_dtype=float32"]), trainer) is None
+    auto = load_config(None, [*base, "rollout.engine_dtype=auto"])
+    assert eval_policy(auto, SimpleNamespace(model=tiny.model, bf16=True)) is tiny.model
+    assert eval_policy(auto, trainer) is None  # auto with a float32 trainer: a float32 engine
+
+    class RolloutEngine:  # the run's (bf16) engine: must not be used
+        async def generate(self, *a, **kw):
+            raise AssertionError("evaluated with the rollout engine")
+
+    samples = load_dataset("mawps:singleop:heldout")[:4]
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    try:
+        res = heldout_eval(RolloutEngine(), tiny.tokenizer, cfg, samples, "after", logger, tmp_path, False,
+                           policy=tiny.model)
+    finally:
+        logger.close()
+    model = copy.deepcopy(tiny.model).float().eval()
+    with InferenceEngine(model, tiny.tokenizer, dtype=torch.float32) as eng:
+        ref = evaluate(eng, tiny.tokenizer, samples, k=1, temperature=0.0, max_new_tokens=6,
+                       instruction=cfg.data.instruction, tool="none")
+    assert [r["responses"] for r in res.records] == [r["responses"] for r in ref.records]
+    assert res.num_problems == 4 and (tmp_path / "eval_after.json").is_file()
+    assert all(p.requires_grad for p in tiny.model.parameters())  # the policy itself untouched

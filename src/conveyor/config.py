@@ -430,6 +430,11 @@ class RunConfig(_Strict):
     eval_every: int | None = Field(default=None, ge=1, description="also evaluate on the held-out set every N policy "
                                                                    "versions during training (curves; eval_step_N.json)")
     eval_max_new_tokens: int = Field(default=128, ge=1)
+    eval_dtype: Literal["float32", "engine"] = Field(
+        default="float32", description="held-out evaluations run the trainer's policy in float32 (the exported "
+                                       "model's precision) whatever rollout.engine_dtype is, so runs with a bf16 "
+                                       "engine are evaluated like the others; engine: with the rollout engine and "
+                                       "its dtype (no extra copy of the model)")
     progress: bool = True
     export: bool = Field(default=True, description="save the final policy as a Hugging Face directory run_dir/export (usable as --model)")
 

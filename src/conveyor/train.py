@@ -54,6 +54,7 @@ from conveyor.runtime.inline import (
     LoopResult,
     RolloutSide,
     build_rollout,
+    eval_policy,
     heldout_eval,
     train_loop,
 )
@@ -335,7 +336,8 @@ def _eval_before(cfg, start: _Start, job: _Job, parts: RolloutSide, logger, run_
         ctx.phase = "the held-out evaluation before training"
         console.print(f"held-out evaluation before training ({len(job.heldout)} problems of {cfg.data.heldout}, greedy)")
         res = heldout_eval(parts.engine, job.tokenizer, cfg, job.heldout, "before", logger, run_dir, progress,
-                           parts.reward_service, evaluate_fn=parts.evaluate, version=job.trainer.version)
+                           parts.reward_service, evaluate_fn=parts.evaluate, version=job.trainer.version,
+                           policy=eval_policy(cfg, job.trainer))
         console.print(f"  pass@1 before: [bold]{res.pass_at_1:.3f}[/]  format rate {res.format_rate:.3f}  ({res.wall_seconds:.0f} s)")
         return res.pass_at_1
     if (start.ckpt is not None or reused) and (run_dir / "eval_before.json").is_file():
@@ -362,7 +364,8 @@ def _finish(cfg: TrainConfig, job: _Job, parts: RolloutSide, loop: LoopResult, l
     if job.heldout and cfg.run.eval_after and not loop.interrupted:
         console.print(f"held-out evaluation after training (version {engine.version}, greedy)")
         res = heldout_eval(engine, job.tokenizer, cfg, job.heldout, "after", logger, run_dir, progress,
-                           parts.reward_service, evaluate_fn=parts.evaluate, version=trainer.version)
+                           parts.reward_service, evaluate_fn=parts.evaluate, version=trainer.version,
+                           policy=eval_policy(cfg, trainer))
         after = res.pass_at_1
         console.print(f"  pass@1 after: [bold]{after:.3f}[/]  format rate {res.format_rate:.3f}")
     engine.stop()

@@ -56,13 +56,25 @@ from conveyor.trainer.trainer import NonFiniteLossError, Trainer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["InlineRollout", "LoopResult", "RolloutSide", "build_rollout", "critic_warmup", "heldout_eval", "resolve_engine_dtype",
+__all__ = ["InlineRollout", "LoopResult", "RolloutSide", "build_rollout", "critic_warmup", "heldout_eval", "eval_policy", "resolve_engine_dtype",
            "train_loop"]
+
+
+def eval_policy(cfg: TrainConfig, trainer: Trainer) -> torch.nn.Module | None:
+    """The model held-out evaluations run instead of the rollout engine: the trainer's policy
+    when ``run.eval_dtype=float32`` and the engine runs another dtype (``rollout.engine_dtype``
+    resolved, :func:`resolve_engine_dtype`); None: evaluate with the engine. Greedy decoding
+    follows the weights' precision: on the main job the initial SmolLM2 scored 0.173 with a
+    bf16 engine against 0.218 in float32 (docs/results/main_job.md), so comparisons across
+    engine dtypes need one evaluation precision."""
+    if cfg.run.eval_dtype == "float32" and resolve_engine_dtype(cfg, trainer.bf16).rollout.engine_dtype != "float32":
+        return trainer.model
+    return None
 
 
 def heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logger: MetricsLogger,
                  run_dir: Path, progress: bool, reward_service: RewardService | None = None, *,
-                 evaluate_fn: Callable = evaluate, version: int = 0):
+                 evaluate_fn: Callable = evaluate, version: int = 0, policy: torch.nn.Module | None = None):
     """Greedy pass@1 of the engine's current weights on ``samples``; written atomically to
     ``RUN/eval_<label>.json`` and logged as an ``eval`` event at the latest log step. With an
     environment (``env.name`` not ``none``) the samples are the environment's episodes
@@ -78,6 +90,10 @@ def heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logge
             default; :attr:`RolloutSide.evaluate` of the runtime, e.g. the Ray runtime's runs it
             inside the rollout actor).
         version: The policy version evaluated (the target style of the preference-shift task).
+        policy: Evaluate this model (a float32 copy, in a temporary in-process engine of its
+            own, stopped afterwards) instead of ``engine`` (:func:`eval_policy`); answers are
+            checked in ``reward_service`` when it is an in-process one, else in workers of the
+            evaluation's own.
 
     Returns:
         The :class:`~conveyor.eval.EvalResult`.
@@ -86,13 +102,25 @@ def heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logge
     if cfg.data.style_schedule:  # judged against the target in force at this version
         style = style_at_version(cfg.data.style_schedule, cfg.data.style_every, max(0, version))
         samples = [stamp_target_style(s, style, version) for s in samples]
-    res = evaluate_fn(
-        engine, tokenizer, samples, k=1, temperature=0.0, max_new_tokens=cfg.run.eval_max_new_tokens,
-        instruction=cfg.data.instruction, dataset=cfg.data.heldout, model_name=cfg.model.name, progress=progress,
-        tool=cfg.rollout.tool, max_tool_calls=cfg.rollout.max_tool_calls,
-        reward_service=reward_service,  # answer checks in the run's reward workers (metrics only)
-        **env,
-    )
+    kwargs = dict(k=1, temperature=0.0, max_new_tokens=cfg.run.eval_max_new_tokens,
+                  instruction=cfg.data.instruction, dataset=cfg.data.heldout, model_name=cfg.model.name,
+                  progress=progress, tool=cfg.rollout.tool, max_tool_calls=cfg.rollout.max_tool_calls, **env)
+    if policy is None:  # answer checks in the run's reward workers (metrics only)
+        res = evaluate_fn(engine, tokenizer, samples, reward_service=reward_service, **kwargs)
+    else:
+        model = copy.deepcopy(policy).float().eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        eval_engine = InferenceEngine(model, tokenizer, version=version, max_batch_size=cfg.rollout.max_batch_size,
+                                      seed=cfg.run.seed, dtype=torch.float32,
+                                      prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)
+        eval_engine.start()
+        try:
+            local = reward_service if hasattr(reward_service, "metric_names") else None  # not a Ray proxy
+            res = evaluate(eval_engine, tokenizer, samples, reward_service=local, **kwargs)
+        finally:
+            eval_engine.stop()
+            del model, eval_engine
     atomic_write(run_dir / f"eval_{label}.json", res.write_json)  # never a half-written file
     # version: the latest log step (the policy version; k - W during a critic warm-up of W steps)
     logger.event("eval", label=label, **{k: v for k, v in res.summary().items() if not isinstance(v, dict)},
@@ -431,7 +459,7 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
                     # a held-out curve point (before the checkpoint: a kill here redoes the step and this)
                     res = heldout_eval(engine, tokenizer, cfg, heldout, f"step_{trainer.version}", logger, run_dir,
                                        False, parts.reward_service, evaluate_fn=parts.evaluate,
-                                       version=trainer.version)
+                                       version=trainer.version, policy=eval_policy(cfg, trainer))
                     logger.scalars(trainer.version, {"heldout/pass_at_1": res.pass_at_1,
                                                      "heldout/format_rate": res.format_rate})
                     console.print(f"  held-out pass@1 at version {trainer.version}: {res.pass_at_1:.3f} "
