@@ -1,11 +1,15 @@
-"""Plot several runs side by side: reward, wall-clock, trainer-busy fraction, staleness.
+"""Plot several runs side by side: reward, wall-clock, trainer-busy fraction, staleness; with
+``--table``, print one markdown row per run instead (the main job's before / after,
+docs/results/main_job.md).
 
 Usage: python scripts/compare_runs.py RUN_DIR[=LABEL] ... --out compare.png
+       python scripts/compare_runs.py RUN_DIR[=LABEL] ... --table
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import matplotlib
@@ -15,12 +19,52 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from conveyor.runlog import read_metrics  # noqa: E402
 
+TABLE_HEADER = ("| run | updates | training loop | held-out before -> after | busy trainer / engine | dropped as stale "
+                "| mean staleness | generated tokens/s | engine dtype |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def table_row(run: Path, label: str) -> str:
+    """One markdown row: the training loop's wall-clock (``summary.json``'s ``wall_seconds``, s),
+    held-out pass@1 before and after, the busy fractions, the share of accepted trajectories
+    dropped as stale (last step's ``rollout/dropped_stale_share``), the mean staleness over the
+    run's steps, the engine's generated tokens per second of training loop, its dtype.
+
+    Raises:
+        FileNotFoundError: the run has no ``summary.json`` (not finished) or ``metrics.jsonl``.
+    """
+    summ = json.loads((run / "summary.json").read_text())
+    rows = read_metrics(run / "metrics.jsonl")
+    eng = json.loads((run / "engine_stats.json").read_text()) if (run / "engine_stats.json").is_file() else {}
+    wall = summ["wall_seconds"]
+
+    def acc(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    stale = sum(r["staleness/mean"] for r in rows) / len(rows)
+    dropped = rows[-1].get("rollout/dropped_stale", 0.0)
+    share = rows[-1].get("rollout/dropped_stale_share")
+    if share is None:  # runs before the metric: dropped over accepted trajectories
+        group = json.loads((run / "config.json").read_text())["rollout"]["group_size"]
+        share = dropped / max(1.0, rows[-1]["rollout/episodes_accepted"] * group)
+    gen = eng.get("generated_tokens")
+    return (f"| {label} | {summ['steps']} | {wall:,.0f} s | {acc(summ['heldout_before'])} -> {acc(summ['heldout_after'])} "
+            f"| {summ['trainer_busy']:.2f} / {summ['engine_busy']:.2f} "
+            f"| {100 * share:.1f}% ({dropped:.0f}) "
+            f"| {stale:.2f} | {'-' if gen is None else f'{gen / wall:.1f}'} | {eng.get('dtype', '-')} |")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--out", default="compare.png")
+    ap.add_argument("--table", action="store_true", help="print a markdown table row per run, no plot")
     a = ap.parse_args()
+    if a.table:
+        print(TABLE_HEADER)
+        for spec in a.runs:
+            path, _, label = spec.partition("=")
+            print(table_row(Path(path), label or Path(path).name))
+        return
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     for spec in a.runs:
         path, _, label = spec.partition("=")

@@ -1,0 +1,41 @@
+"""``scripts/compare_runs.py --table``: the main job's before / after rows (docs/results/main_job.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("compare_runs", ROOT / "scripts" / "compare_runs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(tmp_path: Path, name: str, last: dict) -> Path:
+    run = tmp_path / name
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({
+        "steps": 2, "wall_seconds": 1500.0, "heldout_before": 0.2, "heldout_after": 0.45,
+        "trainer_busy": 0.5, "engine_busy": 0.875}))
+    (run / "config.json").write_text(json.dumps({"rollout": {"group_size": 8}}))
+    (run / "engine_stats.json").write_text(json.dumps({"generated_tokens": 30000, "dtype": "bfloat16"}))
+    rows = [{"step": 1, "staleness/mean": 1.0, "rollout/dropped_stale": 0.0, "rollout/episodes_accepted": 4},
+            {"step": 2, "staleness/mean": 2.0, **last}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_table_row_reports_wall_clock_accuracy_busy_drops_staleness_and_tokens_per_second(tmp_path):
+    mod = _module()
+    row = mod.table_row(_run(tmp_path, "a", {"rollout/dropped_stale": 8.0, "rollout/dropped_stale_share": 0.05,
+                                             "rollout/episodes_accepted": 20}), "after")
+    assert row == ("| after | 2 | 1,500 s | 0.200 -> 0.450 | 0.50 / 0.88 | 5.0% (8) | 1.50 | 20.0 | bfloat16 |")
+    # a run from before the share metric: dropped over accepted trajectories (20 groups of 8)
+    old = mod.table_row(_run(tmp_path, "b", {"rollout/dropped_stale": 16.0, "rollout/episodes_accepted": 20}), "b")
+    assert "| 10.0% (16) |" in old
+    assert mod.TABLE_HEADER.count("\n") == 1 and mod.TABLE_HEADER.split("\n")[0].count("|") == row.count("|")
