@@ -398,6 +398,8 @@ def test_prefix_cache_reuses_keys_values_and_changes_nothing_computed(ref):
     assert (st_on["prefill_tokens"] + st_on["prefix_cache_hit_tokens"] + st_on["prefill_dedup_tokens"]
             == st_off["prefill_tokens"] + st_off["prefill_dedup_tokens"])  # every admitted token once
     assert st_on["prefill_tokens"] < st_off["prefill_tokens"] / 2
+    for st in (st_off, st_on):  # each prefill pass counted; admitting into the running batch timed
+        assert st["prefill_forwards"] >= 3 and st["merge_seconds"] > 0
     # without the cache, the four copies admitted together (max_batch_size=4) were prefilled once
     assert st_off["prefill_dedup_tokens"] == 3 * len(prompts[0])
     # a weight update clears the cache: the continuations run in full with the new weights

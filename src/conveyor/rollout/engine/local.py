@@ -208,6 +208,8 @@ class InferenceEngine:
             prefix_cache_hits=0,  # requests whose prompt extended a cached prefix
             prefix_cache_hit_tokens=0,  # prompt tokens those requests did not run through the model
             prefill_dedup_tokens=0,  # tokens of identical sequences prefilled once (admitted together)
+            prefill_forwards=0,  # prefill / re-encode forward passes
+            merge_seconds=0.0,  # s copying the running batch's keys / values to admit requests into it
         )
         self._track_partials = track_partials
         self._reencode_on_update = reencode_on_update
@@ -438,7 +440,9 @@ class InferenceEngine:
             ``thread_changes`` (:meth:`set_num_threads` changes applied), ``prefix_cache_hits``,
             ``prefix_cache_hit_tokens`` (prompt tokens the prefix cache saved from the model),
             ``prefill_dedup_tokens`` (tokens of identical prompts admitted together, prefilled
-            once), ``prefix_cache_tokens`` (held now) and ``decode_profile`` (``{batch size: [decode steps,
+            once), ``prefill_forwards`` (prefill and re-encode forward passes), ``merge_seconds``
+            (s copying keys / values to admit prefilled requests into the running batch; not
+            part of ``busy_seconds``), ``prefix_cache_tokens`` (held now) and ``decode_profile`` (``{batch size: [decode steps,
             seconds]}``, seconds of the decode forward passes, used with ``sample_seconds`` to
             calibrate ``conveyor simulate``).
         """
@@ -991,10 +995,19 @@ class InferenceEngine:
             pad, logits = pad.index_select(0, idx), logits.index_select(0, idx)
         plan = _make_plan([r.params for r in reqs])
         tokens = self._sample_and_record(reqs, logits, plan)
-        new = _Batch(reqs=reqs, layers=layers, pad=pad, length=length, pending=tokens, plan=plan)
-        new = _select(new, [i for i, r in enumerate(reqs) if r.finish_reason is None])
-        if new is not None:
-            self._batch = _merge(self._batch, new)
+        self._join(_Batch(reqs=reqs, layers=layers, pad=pad, length=length, pending=tokens, plan=plan))
+
+    def _join(self, new: _Batch) -> None:
+        """Merge the unfinished requests of a prefilled batch into the running batch (its copy
+        time counts in ``merge_seconds``)."""
+        new = _select(new, [i for i, r in enumerate(new.reqs) if r.finish_reason is None])
+        if new is None:
+            return
+        t0 = time.perf_counter()
+        self._batch = _merge(self._batch, new)
+        dt = time.perf_counter() - t0
+        with self._cond:
+            self._stats["merge_seconds"] += dt
 
     def _prefill_forward(self, ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
                          layers: list[_KVLayer], **counts: int) -> torch.Tensor:
@@ -1007,6 +1020,7 @@ class InferenceEngine:
         with self._cond:
             self._stats["busy_seconds"] += dt
             self._stats["prefill_seconds"] += dt
+            self._stats["prefill_forwards"] += 1
             for k, v in counts.items():
                 self._stats[k] += v
         return out.logits[:, -1, :]
@@ -1047,10 +1061,7 @@ class InferenceEngine:
                                        prefix_cache_hit_tokens=sum(cached))
         plan = _make_plan([r.params for r in reqs])
         tokens = self._sample_and_record(reqs, logits, plan)
-        new = _Batch(reqs=reqs, layers=layers, pad=pad, length=length, pending=tokens, plan=plan)
-        new = _select(new, [i for i, r in enumerate(reqs) if r.finish_reason is None])
-        if new is not None:
-            self._batch = _merge(self._batch, new)
+        self._join(_Batch(reqs=reqs, layers=layers, pad=pad, length=length, pending=tokens, plan=plan))
 
     def _decode(self) -> None:
         fault_point("generate")  # chaos suite: a kill during generation
