@@ -27,7 +27,8 @@ def table_row(run: Path, label: str) -> str:
     """One markdown row: the training loop's wall-clock (``summary.json``'s ``wall_seconds``, s),
     held-out pass@1 before and after, the busy fractions, the share of accepted trajectories
     dropped as stale (last step's ``rollout/dropped_stale_share``), the mean staleness over the
-    run's steps, the engine's generated tokens per second of training loop, its dtype.
+    run's steps, the tokens generated per second of the training steps (evaluations excluded),
+    the engine's dtype.
 
     Raises:
         FileNotFoundError: the run has no ``summary.json`` (not finished) or ``metrics.jsonl``.
@@ -46,11 +47,15 @@ def table_row(run: Path, label: str) -> str:
     if share is None:  # runs before the metric: dropped over accepted trajectories
         group = json.loads((run / "config.json").read_text())["rollout"]["group_size"]
         share = dropped / max(1.0, rows[-1]["rollout/episodes_accepted"] * group)
-    gen = eng.get("generated_tokens")
+    # generated tokens during the training steps (each step's rate x its wall-clock): evaluations
+    # on the rollout engine are not counted
+    timed = [r for r in rows if "throughput/generated_tokens_per_s" in r and "time/step_wall_s" in r]
+    gen = sum(r["throughput/generated_tokens_per_s"] * r["time/step_wall_s"] for r in timed) if timed else None
+    steps_s = sum(r["time/step_wall_s"] for r in timed)
     return (f"| {label} | {summ['steps']} | {wall:,.0f} s | {acc(summ['heldout_before'])} -> {acc(summ['heldout_after'])} "
             f"| {summ['trainer_busy']:.2f} / {summ['engine_busy']:.2f} "
             f"| {100 * share:.1f}% ({dropped:.0f}) "
-            f"| {stale:.2f} | {'-' if gen is None else f'{gen / wall:.1f}'} | {eng.get('dtype', '-')} |")
+            f"| {stale:.2f} | {'-' if gen is None else f'{gen / steps_s:.1f}'} | {eng.get('dtype', '-')} |")
 
 
 def main() -> None:

@@ -22,6 +22,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = 2  # scripts running at once
+# the first test waits for most of the module's scripts (pytest-timeout counts per test)
+pytestmark = pytest.mark.timeout(1800)
 
 # test -> (script, arguments; "{out}" is this module's scratch directory). Longest first (seconds
 # measured one at a time on the 2-core development VM): the pool runs them in this order.

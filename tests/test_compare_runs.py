@@ -24,8 +24,10 @@ def _run(tmp_path: Path, name: str, last: dict) -> Path:
         "trainer_busy": 0.5, "engine_busy": 0.875}))
     (run / "config.json").write_text(json.dumps({"rollout": {"group_size": 8}}))
     (run / "engine_stats.json").write_text(json.dumps({"generated_tokens": 30000, "dtype": "bfloat16"}))
-    rows = [{"step": 1, "staleness/mean": 1.0, "rollout/dropped_stale": 0.0, "rollout/episodes_accepted": 4},
-            {"step": 2, "staleness/mean": 2.0, **last}]
+    rows = [{"step": 1, "staleness/mean": 1.0, "rollout/dropped_stale": 0.0, "rollout/episodes_accepted": 4,
+             "throughput/generated_tokens_per_s": 10.0, "time/step_wall_s": 500.0},
+            {"step": 2, "staleness/mean": 2.0, "throughput/generated_tokens_per_s": 25.0, "time/step_wall_s": 1000.0,
+             **last}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run
 
@@ -35,6 +37,7 @@ def test_table_row_reports_wall_clock_accuracy_busy_drops_staleness_and_tokens_p
     row = mod.table_row(_run(tmp_path, "a", {"rollout/dropped_stale": 8.0, "rollout/dropped_stale_share": 0.05,
                                              "rollout/episodes_accepted": 20}), "after")
     assert row == ("| after | 2 | 1,500 s | 0.200 -> 0.450 | 0.50 / 0.88 | 5.0% (8) | 1.50 | 20.0 | bfloat16 |")
+    # tokens/s: (10 x 500 + 25 x 1000) / 1500 = 20.0 (the engine's 30,000 include evaluations)
     # a run from before the share metric: dropped over accepted trajectories (20 groups of 8)
     old = mod.table_row(_run(tmp_path, "b", {"rollout/dropped_stale": 16.0, "rollout/episodes_accepted": 20}), "b")
     assert "| 10.0% (16) |" in old

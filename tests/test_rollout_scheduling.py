@@ -263,6 +263,9 @@ def test_wait_for_expiring_trains_the_straggler_instead_of_dropping_it(wait):
         else:
             groups.append(take(1)[0].group_id)  # a younger group, at once
             gate.set()
+            deadline = __import__("time").monotonic() + 30
+            while c.expiring_inflight(1) and __import__("time").monotonic() < deadline:
+                __import__("time").sleep(0.01)  # the straggler is in the buffer before version 2
         c.set_version(2)
         groups.append(take(2)[0].group_id)
     finally:
@@ -270,6 +273,7 @@ def test_wait_for_expiring_trains_the_straggler_instead_of_dropping_it(wait):
         c.stop()
     if wait:
         assert groups[:2] == ["e1#0", "e0#0"] and buf.stats()["dropped_stale"] == 0
+        assert c.counters()["rollout/expiring_waits"] == 1 and c.counters()["rollout/expiring_wait_timeouts"] == 0
     else:
         assert groups[:2] == ["e1#0", "e2#0"] and buf.stats()["dropped_stale"] == 2
         assert [r["group"] for r in c.take_not_trained()] == ["e0#0"]
@@ -329,3 +333,59 @@ def test_heldout_evaluation_of_a_bf16_engine_run_runs_the_policy_in_float32(tmp_
     assert [r["responses"] for r in res.records] == [r["responses"] for r in ref.records]
     assert res.num_problems == 4 and (tmp_path / "eval_after.json").is_file()
     assert all(p.requires_grad for p in tiny.model.parameters())  # the policy itself untouched
+
+
+def test_a_batch_waits_for_an_expiring_group_at_most_expiring_wait_s():
+    """A straggler that never ends does not stop training: after ``expiring_wait_s`` the batch
+    forms as usual (counted); an episode admitted before ``v - eta`` is not waited for."""
+    import time
+
+    samples = [Sample(str(i), "q", "1", "t") for i in range(8)]
+    staleness = StalenessManager(batch_size=2, eta=1, max_concurrent=64)
+    buf = TrajectoryBuffer(1, on_drop=staleness.on_drop)
+    gate, ref = threading.Event(), []  # never set: episode 0 never ends
+    c = RolloutController(RecordingEngine(False), VersionedWorkflow(ref, gate), DataStream(samples, seed=0),
+                          staleness, buf, group_size=2, wait_for_expiring=True, expiring_wait_s=0.3)
+    ref.append(c)
+    stop = threading.Event()
+    c.start()
+    try:
+        assert wait_for_batch(buf, 2, lambda: 0, stop=stop, take=c.take_batch, poll_s=0.05) is not None
+        c.set_version(1)
+        t0 = time.monotonic()
+        batch = wait_for_batch(buf, 2, lambda: 1, stop=stop, take=c.take_batch, poll_s=0.05)
+        assert batch[0].group_id == "e2#0" and time.monotonic() - t0 >= 0.3
+        counters = c.counters()
+        assert counters["rollout/expiring_waits"] == 1 and counters["rollout/expiring_wait_timeouts"] == 1
+        assert c.expiring_inflight(1) == 2 and c.expiring_inflight(2) == 0  # admitted at 0 < 2 - 1: stale anyway
+    finally:
+        stop.set()
+        gate.set()
+        c.stop()
+    with pytest.raises(ValueError, match="expiring_wait_s"):
+        RolloutController(RecordingEngine(False), VersionedWorkflow([], gate), DataStream(samples), staleness, buf,
+                          group_size=2, expiring_wait_s=-1)
+
+
+def test_an_episode_failing_past_the_workflow_stops_the_run_and_is_never_waited_for():
+    """A workflow returning a group of the wrong size is a defect: the controller stops with the
+    error (the runtime raises it), and the episode no longer counts as in flight."""
+
+    class WrongSize:
+        async def run_episode(self, engine, sample):
+            return [Trajectory(sample=sample, group_id="x", prompt_ids=[1], response_ids=[2],
+                               behaviour_logprobs=[0.0], versions=[0])]  # 1, not group_size=2
+
+    staleness = StalenessManager(batch_size=2, eta=0, max_concurrent=2)
+    buf = TrajectoryBuffer(0, on_drop=staleness.on_drop)
+    c = RolloutController(RecordingEngine(False), WrongSize(), DataStream([Sample("0", "q", "1", "t")]),
+                          staleness, buf, group_size=2, wait_for_expiring=True)
+    c.start()
+    try:
+        deadline = __import__("time").monotonic() + 30
+        while c.error is None and __import__("time").monotonic() < deadline:
+            __import__("time").sleep(0.01)
+    finally:
+        c.stop()
+    assert isinstance(c.error, RuntimeError) and "expected group_size=2" in str(c.error)
+    assert c.expiring_inflight(0) == 0

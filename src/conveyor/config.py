@@ -216,6 +216,9 @@ class AsyncConfig(_Strict):
         default=False, description="deadline-aware hand-out: a batch waits for groups still in flight that were "
                                    "admitted eta versions ago (it is their last chance) instead of filling up with "
                                    "younger groups and dropping the stragglers as stale at the next version")
+    expiring_wait_s: float = Field(
+        default=300.0, ge=0, description="wait_for_expiring: the longest a batch is held back for expiring groups "
+                                         "(s); then it is formed as usual (counted in rollout/expiring_wait_timeouts)")
 
 
 class RewardConfig(_Strict):
@@ -431,8 +434,8 @@ class RunConfig(_Strict):
                                                                    "versions during training (curves; eval_step_N.json)")
     eval_max_new_tokens: int = Field(default=128, ge=1)
     eval_dtype: Literal["float32", "engine"] = Field(
-        default="float32", description="held-out evaluations run the trainer's policy in float32 (the exported "
-                                       "model's precision) whatever rollout.engine_dtype is, so runs with a bf16 "
+        default="float32", description="held-out evaluations run the trainer's policy in float32 (its weights' "
+                                       "precision) whatever rollout.engine_dtype is, so runs with a bf16 "
                                        "engine are evaluated like the others; engine: with the rollout engine and "
                                        "its dtype (no extra copy of the model)")
     progress: bool = True

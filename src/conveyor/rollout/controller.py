@@ -110,6 +110,8 @@ class ControllerStats:
     reward_failures: int = 0  # trajectories
     trajectories_accepted: int = 0
     prompts_too_long: int = 0  # samples skipped for good: prompt fills the model's context
+    expiring_waits: int = 0  # batches held back for expiring groups in flight (wait_for_expiring)
+    expiring_wait_timeouts: int = 0  # of those, formed anyway after expiring_wait_s
     last_error: str | None = None
 
 
@@ -173,18 +175,21 @@ class RolloutController:
             ``v - eta`` or earlier (this batch is their last chance) instead of filling the
             batch with younger groups and dropping the stragglers as stale at the next version
             (:meth:`TrajectoryBuffer.get_batch <conveyor.rollout.buffer.TrajectoryBuffer.get_batch>`).
-            A group's age (its oldest token) is at least its admission version, so the count is
-            conservative: it may wait for a group that would have been young enough anyway,
-            never the other way round.
+            Episodes admitted at exactly ``v - eta`` count (older ones are already stale on
+            arrival unless their first token came later). A batch is held back at most
+            ``expiring_wait_s`` seconds per version, then formed as usual (an episode that never
+            ends must not stop training); both counted in ``rollout/expiring_waits`` and
+            ``rollout/expiring_wait_timeouts``.
 
     Raises:
-        ValueError: ``priority`` is not ``"oldest_first"`` or ``"fifo"``, or ``max_engine_waiting``
-            is not None or an int >= 0.
+        ValueError: ``priority`` is not ``"oldest_first"`` or ``"fifo"``, ``max_engine_waiting``
+            is not None or an int >= 0, or ``expiring_wait_s`` is negative.
     """
 
     def __init__(self, engine, workflow: RolloutWorkflow, data: DataStream, staleness: StalenessManager, buffer: TrajectoryBuffer, *, group_size: int, filter_all_equal: bool = False, max_filtered_in_a_row: int = 64, version: int = 0,
                  max_failed_in_a_row: int = 100, on_skip=None, priority: str = "fifo",
-                 max_engine_waiting: int | None = None, wait_for_expiring: bool = False):
+                 max_engine_waiting: int | None = None, wait_for_expiring: bool = False,
+                 expiring_wait_s: float = 300.0):
         if priority not in ("oldest_first", "fifo"):
             raise ValueError(f"priority must be 'oldest_first' or 'fifo', got {priority!r}")
         self.priority = priority if getattr(engine, "supports_priority", False) else "fifo"
@@ -193,6 +198,10 @@ class RolloutController:
             raise ValueError(f"max_engine_waiting must be None or an int >= 0, got {max_engine_waiting!r}")
         self.max_engine_waiting = max_engine_waiting
         self.wait_for_expiring = bool(wait_for_expiring)
+        if not expiring_wait_s >= 0:
+            raise ValueError(f"expiring_wait_s must be >= 0 seconds, got {expiring_wait_s!r}")
+        self.expiring_wait_s = float(expiring_wait_s)
+        self._holding: tuple[int, float] | None = None  # (version, since) of the batch held back now
         self.max_failed_in_a_row = max_failed_in_a_row
         self.on_skip = on_skip
         self._failed_in_a_row = 0
@@ -270,21 +279,33 @@ class RolloutController:
         return self.old_logprobs.apply(patches)
 
     def expiring_inflight(self, version: int) -> int:
-        """Trajectories of episodes in flight admitted at policy version ``version - eta`` or
-        earlier: a batch taken at trainer ``version`` is the last one they can join (0 with
-        ``eta = None``)."""
+        """Trajectories of episodes in flight admitted at policy version ``version - eta``: a
+        batch taken at trainer ``version`` is the last one they can join (0 with ``eta = None``)."""
         eta = self.buffer.eta
         if eta is None:
             return 0
         with self._lock:
-            return self.group_size * sum(v <= version - eta for v in self._admitted_at.values())
+            return self.group_size * sum(v == version - eta for v in self._admitted_at.values())
 
     def take_batch(self, n: int, version: int) -> list[Trajectory] | None:
         """The buffer's :meth:`~conveyor.rollout.buffer.TrajectoryBuffer.get_batch` at trainer
-        ``version``, holding the batch back while expiring groups are in flight when
-        ``wait_for_expiring`` is on; None: not ready yet (call again)."""
+        ``version``, holding the batch back (at most ``expiring_wait_s``) while expiring groups
+        are in flight when ``wait_for_expiring`` is on; None: not ready yet (call again)."""
         pending = self.expiring_inflight(version) if self.wait_for_expiring else 0
-        return self.buffer.get_batch(n, version, pending_expiring=pending)
+        if pending:
+            now = time.monotonic()
+            if self._holding is None or self._holding[0] != version:
+                self._holding = (version, now)
+            elif now - self._holding[1] > self.expiring_wait_s:
+                pending = 0  # waited long enough: form the batch as usual
+        batch = self.buffer.get_batch(n, version, pending_expiring=pending)
+        if batch is not None and self._holding is not None:
+            held_for = time.monotonic() - self._holding[1] if self._holding[0] == version else 0.0
+            if self._holding[0] == version:
+                self.stats.expiring_waits += 1
+                self.stats.expiring_wait_timeouts += held_for > self.expiring_wait_s
+            self._holding = None
+        return batch
 
     def hand_out(self, batch: list[Trajectory]) -> list[Trajectory]:
         """A batch leaving for the trainer: its old-log-prob patches are attached
@@ -429,6 +450,21 @@ class RolloutController:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _episode(self, eid: int, sample: Sample) -> None:
+        try:
+            await self._run_episode(eid, sample)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a defect past the workflow (e.g. a group of the wrong size): stop the run
+            log.exception("episode for %s: the controller cannot continue", sample.id)
+            if self.error is None:
+                self.error = e
+            self._stop.set()
+        finally:
+            with self._lock:
+                self._admitted_at.pop(eid, None)  # however it ended: never waited for again
+            self._poke()
+
+    async def _run_episode(self, eid: int, sample: Sample) -> None:
         G = self.group_size
         try:
             engine = self.engine if self.priority == "fifo" else _PrioritisedEngine(self.engine, eid)
@@ -525,6 +561,8 @@ class RolloutController:
             "rollout/filter_cap_hits": s.filter_cap_hits,
             "rollout/reward_failures": s.reward_failures,
             "rollout/prompts_too_long": s.prompts_too_long,
+            "rollout/expiring_waits": s.expiring_waits,
+            "rollout/expiring_wait_timeouts": s.expiring_wait_timeouts,
             "rollout/running": self.staleness.running,
             "rollout/buffered": self.buffer.size(),
             "rollout/dropped_stale": buf["dropped_stale"],

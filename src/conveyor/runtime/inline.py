@@ -67,7 +67,7 @@ def eval_policy(cfg: TrainConfig, trainer: Trainer) -> torch.nn.Module | None:
     follows the weights' precision: on the main job the initial SmolLM2 scored 0.173 with a
     bf16 engine against 0.218 in float32 (docs/results/main_job.md), so comparisons across
     engine dtypes need one evaluation precision."""
-    if cfg.run.eval_dtype == "float32" and resolve_engine_dtype(cfg, trainer.bf16).rollout.engine_dtype != "float32":
+    if cfg.run.eval_dtype == "float32" and _engine_dtype(cfg, trainer.bf16) != "float32":
         return trainer.model
     return None
 
@@ -203,6 +203,13 @@ def build_workflow(cfg: TrainConfig, tokenizer, reward_service: RewardService, *
     return workflow
 
 
+def _engine_dtype(cfg: TrainConfig, trainer_bf16: bool) -> str:
+    """``rollout.engine_dtype`` with ``auto`` resolved (no logging)."""
+    if cfg.rollout.engine_dtype != "auto":
+        return cfg.rollout.engine_dtype
+    return "bfloat16" if trainer_bf16 else "float32"
+
+
 def resolve_engine_dtype(cfg: TrainConfig, trainer_bf16: bool) -> TrainConfig:
     """``cfg`` with ``rollout.engine_dtype=auto`` resolved (a copy; other values: ``cfg`` itself):
     ``bfloat16`` when the trainer runs bf16 autocast (``trainer_bf16``, ``trainer.bf16`` after
@@ -211,7 +218,7 @@ def resolve_engine_dtype(cfg: TrainConfig, trainer_bf16: bool) -> TrainConfig:
     actor) is built from the resolved value."""
     if cfg.rollout.engine_dtype != "auto":
         return cfg
-    dtype = "bfloat16" if trainer_bf16 else "float32"
+    dtype = _engine_dtype(cfg, trainer_bf16)
     log.info("rollout.engine_dtype=auto: %s (trainer bf16 autocast %s)", dtype, "on" if trainer_bf16 else "off")
     return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine_dtype": dtype})})
 
@@ -262,6 +269,7 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
         group_size=G, filter_all_equal=cfg.rollout.filter_all_equal,
         max_filtered_in_a_row=cfg.rollout.max_filtered_in_a_row, priority=cfg.rollout.priority,
         max_engine_waiting=cfg.rollout.max_engine_waiting, wait_for_expiring=cfg.asynchronous.wait_for_expiring,
+        expiring_wait_s=cfg.asynchronous.expiring_wait_s,
         version=trainer.version,
         on_skip=lambda s, why: logger.event("prompt_too_long", sample=s.id, reason=why),
     )

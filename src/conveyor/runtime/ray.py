@@ -272,7 +272,8 @@ class RolloutActor:
             group_size=G, filter_all_equal=cfg.rollout.filter_all_equal,
             max_filtered_in_a_row=cfg.rollout.max_filtered_in_a_row, priority=cfg.rollout.priority,
             max_engine_waiting=cfg.rollout.max_engine_waiting, version=version, on_skip=self._on_skip,
-            wait_for_expiring=cfg.asynchronous.wait_for_expiring)
+            wait_for_expiring=cfg.asynchronous.wait_for_expiring,
+            expiring_wait_s=cfg.asynchronous.expiring_wait_s)
         self.controller.stats.prompts_too_long = n_too_long
         self.controller.set_warmup_batches(warmup_batches)
         if controller_state is not None:
