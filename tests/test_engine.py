@@ -400,6 +400,10 @@ def test_prefix_cache_reuses_keys_values_and_changes_nothing_computed(ref):
     assert st_on["prefill_tokens"] < st_off["prefill_tokens"] / 2
     for st in (st_off, st_on):  # each prefill pass counted; admitting into the running batch timed
         assert st["prefill_forwards"] >= 3 and st["merge_seconds"] > 0
+        prof = st["prefill_profile"]
+        assert sum(v[0] for v in prof.values()) == st["prefill_forwards"]
+        assert sum(v[3] for v in prof.values()) == pytest.approx(st["prefill_seconds"])
+    assert "prefix_hit" not in st_off["prefill_profile"] and st_on["prefill_profile"]["prefix_hit"][1] == len(prompts) + 5
     # without the cache, the four copies admitted together (max_batch_size=4) were prefilled once
     assert st_off["prefill_dedup_tokens"] == 3 * len(prompts[0])
     # a weight update clears the cache: the continuations run in full with the new weights

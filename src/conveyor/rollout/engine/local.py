@@ -216,6 +216,8 @@ class InferenceEngine:
         self._finished_unscored: dict[int, _Request] = {}
         # batch size -> [decode steps, forward seconds]: the simulator's calibration
         self._decode_profile: dict[int, list[float]] = {}
+        # prefill kind -> [forward passes, rows, padded tokens, seconds] (where the prefill time goes)
+        self._prefill_profile: dict[str, list[float]] = {}
         self._running_count = 0
 
     # ---------------------------------------------------------------- lifecycle
@@ -442,13 +444,17 @@ class InferenceEngine:
             ``prefill_dedup_tokens`` (tokens of identical prompts admitted together, prefilled
             once), ``prefill_forwards`` (prefill and re-encode forward passes), ``merge_seconds``
             (s copying keys / values to admit prefilled requests into the running batch; not
-            part of ``busy_seconds``), ``prefix_cache_tokens`` (held now) and ``decode_profile`` (``{batch size: [decode steps,
+            part of ``busy_seconds``), ``prefill_profile`` (``{"reencode" | "admit" |
+            "prefix_hit": [forward passes, rows, padded tokens, seconds]}``: re-encodes after
+            weight updates, admissions that missed the prefix cache, admissions that hit it),
+            ``prefix_cache_tokens`` (held now) and ``decode_profile`` (``{batch size: [decode steps,
             seconds]}``, seconds of the decode forward passes, used with ``sample_seconds`` to
             calibrate ``conveyor simulate``).
         """
         with self._cond:
             out = dict(self._stats)
             out["decode_profile"] = {b: list(v) for b, v in self._decode_profile.items()}
+            out["prefill_profile"] = {k: list(v) for k, v in self._prefill_profile.items()}
             out["running"] = self._running_count
             out["waiting"] = len(self._waiting)
             out["version"] = self._version
@@ -901,7 +907,7 @@ class InferenceEngine:
         if self._reencode:
             reqs, self._reencode = self._reencode, []
             t0 = time.perf_counter()
-            self._prefill(reqs)
+            self._prefill(reqs, kind="reencode")
             dt = time.perf_counter() - t0
             with self._cond:
                 self._stats["pause_seconds_total"] += dt
@@ -921,7 +927,7 @@ class InferenceEngine:
             for group in hits.values():
                 self._prefill_from_prefix(group)
             if misses:
-                self._prefill(misses)
+                self._prefill(misses, kind="admit")
         if self._batch is not None:
             self._decode()
         with self._cond:
@@ -951,18 +957,19 @@ class InferenceEngine:
         with self._cond:
             self._running_count = len(self._reencode) + (len(self._batch.reqs) if self._batch else 0)
 
-    def _prefill(self, reqs: list[_Request]) -> None:
+    def _prefill(self, reqs: list[_Request], kind: str) -> None:
         """Encode ``prompt + response so far`` of ``reqs`` in fresh caches, sample each one's next
-        token and merge the unfinished ones into the running batch."""
+        token and merge the unfinished ones into the running batch (``kind``: ``"reencode"`` or
+        ``"admit"``, for ``prefill_profile``)."""
         reqs = sorted(reqs, key=lambda r: len(r.prompt_ids) + len(r.token_ids), reverse=True)
         i = 0
         while i < len(reqs):
             longest = len(reqs[i].prompt_ids) + len(reqs[i].token_ids)
             n = max(1, min(len(reqs) - i, _PREFILL_MAX_TOKENS // longest))
-            self._prefill_chunk(reqs[i : i + n])
+            self._prefill_chunk(reqs[i : i + n], kind)
             i += n
 
-    def _prefill_chunk(self, reqs: list[_Request]) -> None:
+    def _prefill_chunk(self, reqs: list[_Request], kind: str) -> None:
         all_seqs = [r.prompt_ids + r.token_ids for r in reqs]
         # identical sequences (a group's prompt admitted together) run through the model once
         first: dict[tuple[int, ...], int] = {}
@@ -981,7 +988,7 @@ class InferenceEngine:
         # Padding queries attend to themselves only, so no attention row is fully masked.
         mask = (causal.unsqueeze(0) & real.unsqueeze(1)) | eye.unsqueeze(0)
         layers = [_KVLayer() for _ in range(self._num_layers)]
-        logits = self._prefill_forward(ids, mask.unsqueeze(1), position_ids, layers,
+        logits = self._prefill_forward(ids, mask.unsqueeze(1), position_ids, layers, kind,
                                        prefill_tokens=sum(len(s) for s in seqs),
                                        prefill_dedup_tokens=sum(len(s) for s in all_seqs) - sum(len(s) for s in seqs))
         if self._prefix_cache.max_tokens:  # each prompt but its last token: a later group-mate runs 1 token
@@ -1010,9 +1017,10 @@ class InferenceEngine:
             self._stats["merge_seconds"] += dt
 
     def _prefill_forward(self, ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
-                         layers: list[_KVLayer], **counts: int) -> torch.Tensor:
+                         layers: list[_KVLayer], kind: str, **counts: int) -> torch.Tensor:
         """One prefill forward pass into ``layers``: the last position's logits ``[B, V]``; its
-        seconds count as busy and prefill time, ``counts`` are added to the stats."""
+        seconds count as busy and prefill time (and under ``kind`` in ``prefill_profile``),
+        ``counts`` are added to the stats."""
         t0 = time.perf_counter()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
                          cache=Cache(layers=layers), use_cache=True, logits_to_keep=1)
@@ -1021,6 +1029,11 @@ class InferenceEngine:
             self._stats["busy_seconds"] += dt
             self._stats["prefill_seconds"] += dt
             self._stats["prefill_forwards"] += 1
+            prof = self._prefill_profile.setdefault(kind, [0, 0, 0, 0.0])
+            prof[0] += 1
+            prof[1] += ids.shape[0]
+            prof[2] += ids.numel()
+            prof[3] += dt
             for k, v in counts.items():
                 self._stats[k] += v
         return out.logits[:, -1, :]
@@ -1056,7 +1069,7 @@ class InferenceEngine:
         real = cols.unsqueeze(0) >= pad.unsqueeze(1)  # [B, length]
         mask = (causal.unsqueeze(0) & real.unsqueeze(1)).unsqueeze(1)  # [B, 1, S, length]
         position_ids = torch.tensor(cached, dtype=torch.long).unsqueeze(1) + torch.arange(S).unsqueeze(0)
-        logits = self._prefill_forward(torch.tensor(rest, dtype=torch.long), mask, position_ids, layers,
+        logits = self._prefill_forward(torch.tensor(rest, dtype=torch.long), mask, position_ids, layers, "prefix_hit",
                                        prefill_tokens=S * len(hits), prefix_cache_hits=len(hits),
                                        prefix_cache_hit_tokens=sum(cached))
         plan = _make_plan([r.params for r in reqs])
