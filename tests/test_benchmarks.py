@@ -39,6 +39,7 @@ SCRIPTS: dict[str, tuple[str, list[str]]] = {
     "test_engine_benchmark_quick": ("engine.py", ["--dtype", "bfloat16", "--baseline"]),  # ~12 s
     "test_behaviour_weight_benchmark_quick": ("behaviour_weight.py", ["--compare"]),  # ~10 s
     "test_weight_sync_benchmark_quick": ("weight_sync.py", []),  # ~10 s
+    "test_lora_benchmark_quick": ("lora.py", ["--json", "{out}/lora.json"]),  # ~9 s
 }
 
 
@@ -113,6 +114,29 @@ def test_weight_sync_benchmark_quick(quick):
     assert r["reencoded_tokens"] > 0 and r["interrupted_requests"] == r["requests"] == r["multi_version_requests"]
     assert r["pause_s"] > 0
     assert r["keep_kv"]["reencoded_tokens"] == 0 and r["keep_kv"]["multi_version_requests"] == r["requests"]
+
+
+def test_lora_benchmark_quick(quick):
+    pytest.importorskip("peft", reason="LoRA needs peft: pip install 'conveyor[lora]'")
+    r = _run(quick, "test_lora_benchmark_quick")
+    assert json.loads((quick[1] / "lora.json").read_text()) == r
+    full, lora, merged, adapter = r["full"], r["lora"], r["lora_merged"], r["lora_adapter"]
+    assert r["model"] == "tiny" and full["trainable_parameters"] == r["parameters"]
+    assert full["message_bytes"] == 4 * r["parameters"]  # fp32, the tied embeddings once
+    # only A and B train, and the adapter message is exactly them (fp32)
+    assert 0 < lora["trainable_parameters"] < full["trainable_parameters"]
+    assert adapter["message_bytes"] == 4 * lora["trainable_parameters"] < merged["message_bytes"] < full["message_bytes"]
+    for row in (full, lora):  # AdamW: two fp32 moments per trained element (+ a step counter per tensor)
+        assert 8 * row["trainable_parameters"] <= row["optimizer_state_bytes"] < 8 * row["trainable_parameters"] + 4096
+    ratios = r["ratios"]
+    assert ratios["optimizer_state_lora_over_full"] == pytest.approx(lora["optimizer_state_bytes"] / full["optimizer_state_bytes"])
+    assert ratios["message_bytes_adapter_over_full"] == pytest.approx(adapter["message_bytes"] / full["message_bytes"])
+    for name in ("merged", "adapter"):
+        row = r[f"lora_{name}"]
+        assert row["sync_s"] == pytest.approx(row["snapshot_s"] + row["apply_s"]) and row["sync_s"] > 0
+        assert ratios[f"sync_s_{name}_over_full"] == pytest.approx(row["sync_s"] / full["sync_s"])
+    assert adapter["engine_lora_base_bytes"] == merged["message_bytes"]  # W0 of the same matrices
+    assert r["engine_max_abs_diff"] <= 1e-6  # both modes give the engine the same weights
 
 
 def test_async_vs_sync_benchmark_quick(quick):

@@ -307,12 +307,12 @@ def test_heldout_evaluation_of_a_bf16_engine_run_runs_the_policy_in_float32(tmp_
 
     base = ["model.name=tiny", "run.eval_max_new_tokens=6", "rollout.tool=none"]
     cfg = load_config(None, [*base, "rollout.engine_dtype=bfloat16"])
-    trainer = SimpleNamespace(model=tiny.model, bf16=False)
+    trainer = SimpleNamespace(model=tiny.model, bf16=False, inference_policy=lambda: tiny.model)
     assert eval_policy(cfg, trainer) is tiny.model
     assert eval_policy(load_config(None, [*base, "rollout.engine_dtype=bfloat16", "run.eval_dtype=engine"]), trainer) is None
     assert eval_policy(load_config(None, [*base, "rollout.engine_dtype=float32"]), trainer) is None
     auto = load_config(None, [*base, "rollout.engine_dtype=auto"])
-    assert eval_policy(auto, SimpleNamespace(model=tiny.model, bf16=True)) is tiny.model
+    assert eval_policy(auto, SimpleNamespace(model=tiny.model, bf16=True, inference_policy=lambda: tiny.model)) is tiny.model
     assert eval_policy(auto, trainer) is None  # auto with a float32 trainer: a float32 engine
 
     class RolloutEngine:  # the run's (bf16) engine: must not be used

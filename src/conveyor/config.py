@@ -339,6 +339,49 @@ class CriticConfig(_Strict):
         return v
 
 
+LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(_Strict):
+    """LoRA training of the policy through ``peft`` (issue 15 section 2; :mod:`conveyor.trainer.lora`):
+    each targeted linear weight ``W0`` (``[out, in]``, frozen) gets trainable factors ``A``
+    (``[rank, in]``) and ``B`` (``[out, rank]``, zero at the start), and the policy uses
+    ``W = W0 + (alpha / rank) B A`` (Hu et al. 2021, arXiv 2106.09685, eq. 3 with the
+    ``alpha / r`` scaling of its section 4.1). The optimizer holds only ``A`` and ``B``; the KL
+    penalty's reference policy is the base model (adapters disabled). Needs
+    ``pip install 'conveyor[lora]'``."""
+
+    enabled: bool = Field(default=False, description="train LoRA adapters instead of every weight (pip install 'conveyor[lora]')")
+    rank: int = Field(default=8, ge=1, description="r: the inner dimension of B A")
+    alpha: float = Field(default=16.0, gt=0, description="the update is scaled by alpha / rank")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapters' input (peft lora_dropout); > 0 "
+                                                                "makes every trainer forward pass stochastic")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_DEFAULT_TARGETS),
+        description="linear modules that get adapters, matched like peft (a module's full name or its last "
+                    "components): the attention and MLP projections of Llama / Qwen-style models by default")
+    sync: Literal["merged", "adapter"] = Field(
+        default="merged", description="what the engine receives per version: merged (the adapted weight matrices "
+                                      "W0 + (alpha / rank) B A under the base model's names) or adapter (only A, B "
+                                      "and the scale; the engine merges them onto its own copy of W0)")
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _target_list(cls, v: Any) -> Any:
+        # the command line: lora.target_modules=q_proj,v_proj (or a JSON list)
+        if isinstance(v, str):
+            v = [x.strip() for x in v.strip().strip("[]").split(",")]
+        return v
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets_named(cls, v: list[str]) -> list[str]:
+        if not v or any(not x.strip() for x in v):
+            raise ValueError(f"lora.target_modules needs one or more non-empty module names (e.g. "
+                             f"{','.join(LORA_DEFAULT_TARGETS)}), got {v!r}")
+        return [x.strip() for x in v]
+
+
 class ProximalConfig(_Strict):
     """Where the old log-probs (the ratio's denominator) come from (MISSION.md section 2)."""
 
@@ -520,6 +563,7 @@ class TrainConfig(_Strict):
     proximal: ProximalConfig = ProximalConfig()
     trainer: TrainerConfig = TrainerConfig()
     critic: CriticConfig = CriticConfig()
+    lora: LoraConfig = LoraConfig()
     run: RunConfig = RunConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     monitor: MonitorConfig = MonitorConfig()
@@ -554,6 +598,17 @@ class TrainConfig(_Strict):
         if self.critic.warmup_steps and self.loss.advantage != "gae":
             raise ValueError(f"critic.warmup_steps={self.critic.warmup_steps} needs a critic: set loss.advantage=gae "
                              "(or critic.warmup_steps=0)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> TrainConfig:
+        """``lora.enabled`` needs peft installed (refused here, before anything is loaded; the target
+        modules are checked against the model when it is wrapped: :func:`conveyor.trainer.lora.apply_lora`)."""
+        if self.lora.enabled:
+            import importlib.util
+
+            if importlib.util.find_spec("peft") is None:
+                raise ValueError("lora.enabled=true needs the peft library: pip install 'conveyor[lora]'")
         return self
 
     @model_validator(mode="after")

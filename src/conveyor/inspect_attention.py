@@ -249,7 +249,7 @@ def load_policy(run_dir: str | Path, *, warn: Callable[[str], None] | None = Non
     2. else the newest committed checkpoint that passes
        :func:`conveyor.checkpoint.verify_checkpoint` (damaged ones are skipped with a note, not
        moved aside as a resume would): its ``trainer.pt`` model state loaded onto the run's
-       ``model.name`` (``tiny``: same ``model.seed``);
+       ``model.name`` (``tiny``: same ``model.seed``; a LoRA run's adapter merged onto it);
     3. else the run's ``model.name`` as configured, untrained (``Policy.trained`` False).
 
     The model is switched to ``eager`` attention (:func:`_use_eager`) and put in eval mode.
@@ -286,10 +286,16 @@ def load_policy(run_dir: str | Path, *, warn: Callable[[str], None] | None = Non
             lm = load_model(settings["model"], seed=settings["model_seed"])
             state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False, mmap=True)
             model_state = {k.removeprefix("_orig_mod."): v for k, v in state["model"].items()}
-            lm.model.load_state_dict(model_state)
+            model = lm.model
+            if "lora" in state:  # a LoRA run's checkpoint holds the adapter: merged onto the base model
+                from conveyor.trainer.lora import merged_from_checkpoint
+
+                model = merged_from_checkpoint(lm.model, {**state, "model": model_state})
+            else:
+                model.load_state_dict(model_state)
             version = state.get("version", checkpoint_version(ckpt))
             del state, model_state
-            policy = Policy(lm.model, lm.tokenizer, f"checkpoint {ckpt.name} (policy version {version}) "
+            policy = Policy(model, lm.tokenizer, f"checkpoint {ckpt.name} (policy version {version}) "
                             f"on {settings['model']}", True, notes)
             break
         if policy is None:

@@ -85,6 +85,10 @@ FIXED_ON_RESUME = (
     ("critic", "freeze_attention"),  # which parameters the critic's optimizer holds
     ("critic", "warmup_steps"),  # the warm-up's log steps (Trainer.log_step) depend on it
     ("critic", "num_critics"),  # how many critics the checkpoint holds
+    ("lora", "enabled"),  # whether the checkpoint holds a LoRA adapter or the whole policy
+    ("lora", "rank"),  # the adapter's shapes
+    ("lora", "alpha"),  # its scale: the same adapter is another policy under another alpha
+    ("lora", "target_modules"),
 )
 # keys that decide which problems the held-out evaluation asks and how: fixed once
 # eval_before.json exists, or "before" and "after" would measure different things
@@ -113,7 +117,9 @@ def check_resume_compatible(run_dir: Path, cfg: TrainConfig) -> None:
             and why).
     """
     saved = load_config(run_dir / "config.json")
-    for section, key in FIXED_ON_RESUME:
+    # a LoRA checkpoint holds the adapter only: the base weights are model.name's (seeded for tiny)
+    fixed = FIXED_ON_RESUME + ((("model", "seed"),) if saved.lora.enabled else ())
+    for section, key in fixed:
         old, new = getattr(getattr(saved, section), key), getattr(getattr(cfg, section), key)
         if old != new:
             raise ValueError(

@@ -5,6 +5,10 @@ holds no references to the trainer's live parameters (tensors are detached copie
 carried unchanged between threads, processes (``torch.save`` / shared memory) or Ray actors.
 :func:`write_weights` / :func:`read_weights` carry it through a shared disk as safetensors (the
 engine server's ``/update_weights_from_disk``, ``conveyor/rollout/engine/server.py``).
+
+With LoRA (``lora.sync=adapter``, :mod:`conveyor.trainer.lora`) a message carries
+:class:`LoraFactors` instead of weight matrices; the receiver merges them onto its own base
+weights with :meth:`LoraFactors.merge` (:func:`apply_update`), never onto the previous version.
 """
 
 from __future__ import annotations
@@ -19,6 +23,44 @@ import torch
 
 
 @dataclass(frozen=True)
+class LoraFactors:
+    """The LoRA adapter of one linear weight ``W0`` (``[out, in]``): the adapted weight is
+    ``W = W0 + scale * B @ A`` (Hu et al. 2021, arXiv 2106.09685, eq. 3, scaled by
+    ``scale = alpha / r`` as in its section 4.1).
+
+    Attributes:
+        A: ``[r, in]`` (peft's ``lora_A``; detached CPU copy).
+        B: ``[out, r]`` (peft's ``lora_B``; zero at initialisation).
+        scale: ``alpha / r`` (peft's ``scaling``), a float.
+    """
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scale: float
+
+    @property
+    def num_bytes(self) -> int:
+        """Payload size of ``A`` and ``B`` in bytes."""
+        return self.A.numel() * self.A.element_size() + self.B.numel() * self.B.element_size()
+
+    def merge(self, base: torch.Tensor) -> torch.Tensor:
+        """``base + scale * B @ A`` in float32 (one ``addmm``), ``[out, in]``; a new tensor
+        (``base`` is untouched). Trainer (``lora.sync=merged``) and engine (``adapter``) both merge
+        with this function, so the two modes give the engine the same weights.
+
+        Raises:
+            ValueError: ``base`` is not ``[B.shape[0], A.shape[1]]`` or ``A`` / ``B`` disagree on r.
+        """
+        if self.A.dim() != 2 or self.B.dim() != 2 or self.A.shape[0] != self.B.shape[1]:
+            raise ValueError(f"LoRA factors must be A [r, in] and B [out, r], got A {tuple(self.A.shape)}, "
+                             f"B {tuple(self.B.shape)}")
+        if tuple(base.shape) != (self.B.shape[0], self.A.shape[1]):
+            raise ValueError(f"LoRA factors A {tuple(self.A.shape)}, B {tuple(self.B.shape)} do not fit a "
+                             f"weight of shape {tuple(base.shape)} ([out, in])")
+        return torch.addmm(base.float(), self.B.float(), self.A.float(), alpha=float(self.scale))
+
+
+@dataclass(frozen=True)
 class WeightUpdate:
     """New policy weights with their version.
 
@@ -29,20 +71,34 @@ class WeightUpdate:
             caller chose otherwise). Names follow ``model.state_dict()``.
         aliases: Name -> name in ``tensors`` for tensors the sender's model shares (tied input
             / output embeddings): sent once, applied to both names by the receiver.
+        lora: Parameter name -> :class:`LoraFactors` (``lora.sync=adapter``): the receiver sets
+            that parameter to ``factors.merge(W0)`` with ``W0`` its own copy of the base weight
+            (:func:`apply_update`); empty otherwise.
     """
 
     version: int
     tensors: dict[str, torch.Tensor]
     aliases: dict[str, str] = field(default_factory=dict)
+    lora: dict[str, LoraFactors] = field(default_factory=dict)
 
     @property
     def num_bytes(self) -> int:
-        """Total payload size in bytes."""
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        """Total payload size in bytes (tensors and LoRA factors)."""
+        return (sum(t.numel() * t.element_size() for t in self.tensors.values())
+                + sum(f.num_bytes for f in self.lora.values()))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor by name, aliases included (the tied tensor under each of its names), for
-        ``model.load_state_dict``. No copies: the message's tensors themselves."""
+        ``model.load_state_dict``. No copies: the message's tensors themselves.
+
+        Raises:
+            ValueError: the message carries LoRA factors (they need base weights to merge onto:
+                :func:`apply_update`).
+        """
+        if self.lora:
+            raise ValueError(f"WeightUpdate version {self.version} carries LoRA factors for {len(self.lora)} "
+                             "weights, not the weights themselves: merge them with apply_update(targets, update, "
+                             "lora_base)")
         out = dict(self.tensors)
         out.update({name: self.tensors[src] for name, src in self.aliases.items()})
         return out
@@ -74,6 +130,36 @@ class WeightUpdate:
         return cls(version=version, tensors=out, aliases=aliases)
 
 
+def apply_update(targets: dict[str, torch.Tensor], update: WeightUpdate,
+                 lora_base: dict[str, torch.Tensor] | None = None) -> None:
+    """Copy ``update`` into a receiver's tensors, in place (cast to each target's dtype): every
+    tensor, every alias (skipped where the receiver ties the two names itself), and each LoRA
+    factor pair merged onto the receiver's base weight, ``W = W0 + scale * B @ A``
+    (:meth:`LoraFactors.merge`). Merging always starts from ``lora_base``, never from the current
+    weight, so deltas never accumulate across versions.
+
+    Args:
+        targets: Name -> the receiver's tensor (e.g. ``dict(model.state_dict())``).
+        update: The message (names already validated by the caller).
+        lora_base: Name -> ``W0`` (``[out, in]``) for every name in ``update.lora``.
+
+    Raises:
+        KeyError: a name of ``update.lora`` without a base weight in ``lora_base``.
+    """
+    with torch.no_grad():
+        for name, t in update.tensors.items():
+            targets[name].copy_(t)
+        for name, src in update.aliases.items():
+            target = targets[name]
+            if target.data_ptr() != targets[src].data_ptr():  # not tied here
+                target.copy_(update.tensors[src])
+        for name, factors in update.lora.items():
+            if lora_base is None or name not in lora_base:
+                raise KeyError(f"WeightUpdate LoRA factors for {name!r}, but the receiver keeps no base weight "
+                               "for it (an engine that receives adapters needs lora_base)")
+            targets[name].copy_(factors.merge(lora_base[name]))
+
+
 WEIGHTS_FILE = "model.safetensors"
 _META_VERSION = "conveyor_version"
 _META_ALIASES = "conveyor_aliases"
@@ -101,12 +187,16 @@ def write_weights(path: str | os.PathLike, update: WeightUpdate) -> Path:
 
     Raises:
         TypeError: ``update`` is not a :class:`WeightUpdate`.
+        ValueError: ``update`` carries LoRA factors (``lora.sync=adapter``).
         OSError: the write failed (nothing is left under ``path``'s name; the temporary is removed).
     """
     from safetensors.torch import save_file
 
     if not isinstance(update, WeightUpdate):
         raise TypeError(f"update must be a WeightUpdate, got {type(update).__name__}")
+    if update.lora:
+        raise ValueError("write_weights: the update carries LoRA factors (lora.sync=adapter), which a weights "
+                         "file does not hold; send merged weights (lora.sync=merged)")
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, int]] = set()

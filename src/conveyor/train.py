@@ -223,7 +223,7 @@ def _load_job(cfg: TrainConfig, start: _Start, console) -> _Job:
     bf16_choice = recorded_bf16(start.run_dir) if start.run_dir is not None else None
     trainer = Trainer(lm.model, cfg.trainer, cfg.loss, temperature=cfg.rollout.temperature, proximal_cfg=cfg.proximal,
                       eta=cfg.asynchronous.eta, max_new_tokens=cfg.rollout.max_new_tokens, critic_cfg=cfg.critic,
-                      bf16_choice=bf16_choice)
+                      bf16_choice=bf16_choice, lora_cfg=cfg.lora)
     job = _Job(trainer, lm.tokenizer, reward_fn, train_samples, heldout, n_too_long, warnings, engine_threads)
     if start.ckpt is not None:
         trainer.load_state_dict(torch.load(start.ckpt / "trainer.pt", weights_only=False))
@@ -266,6 +266,8 @@ def _open_logs(cfg: TrainConfig, run_dir: Path, start: _Start, job: _Job, consol
                      note=f"loss.name={cfg.loss.name} uses no proximal policy", extra_bytes=0)
     logger.event("precision", bf16=trainer.bf16, requested=cfg.trainer.bf16,  # trainer.bf16=auto's choice:
                  note=trainer.precision_note)  # kept on resume (recorded_bf16)
+    if trainer.lora is not None:  # trainable parameters, what the engine receives
+        logger.event("lora", note=trainer.lora.note, trainable_parameters=trainer.lora.trainable, sync=cfg.lora.sync)
     if trainer.critic is not None:
         logger.event("critic", note=trainer.critic_note, warmup_done=trainer.critic_warmup_done,
                      warmup_steps=cfg.critic.warmup_steps)
@@ -372,7 +374,12 @@ def _finish(cfg: TrainConfig, job: _Job, parts: RolloutSide, loop: LoopResult, l
     parts.reward_service.close()
     if cfg.run.export and trainer.version > 0:
         export_dir = run_dir / "export"
-        export_policy(trainer.model, job.tokenizer, export_dir, cfg.run.export_dtype)  # float32 | bfloat16
+        # with LoRA: the merged plain model, and the peft adapter in export/adapter/
+        export_policy(trainer.inference_policy(), job.tokenizer, export_dir, cfg.run.export_dtype)  # float32 | bfloat16
+        if trainer.lora is not None:
+            from conveyor.trainer.lora import ADAPTER_DIR
+
+            trainer.lora.save_adapter(export_dir / ADAPTER_DIR)
         # tool, instruction, data set and eval settings: `conveyor eval --model RUN/export`
         # reproduces the held-out figure by default (issue 10, section 5b)
         from conveyor.eval import write_export_settings

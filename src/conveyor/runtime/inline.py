@@ -68,7 +68,7 @@ def eval_policy(cfg: TrainConfig, trainer: Trainer) -> torch.nn.Module | None:
     bf16 engine against 0.218 in float32 (docs/results/main_job.md), so comparisons across
     engine dtypes need one evaluation precision."""
     if cfg.run.eval_dtype == "float32" and _engine_dtype(cfg, trainer.bf16) != "float32":
-        return trainer.model
+        return trainer.inference_policy()  # with LoRA: a merged plain copy
     return None
 
 
@@ -236,7 +236,10 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
         state: The checkpoint's ``state.pt`` contents when resuming.
     """
     cfg = resolve_engine_dtype(cfg, trainer.bf16)
-    engine_model = copy.deepcopy(trainer.model).eval()
+    # the engine's own plain copy (with LoRA: adapters merged, no peft modules; lora.sync=adapter
+    # also hands it the base weights W0 that the adapters it receives are merged onto)
+    policy = trainer.inference_policy()
+    engine_model = (copy.deepcopy(policy) if policy is trainer.model else policy).eval()
     for p in engine_model.parameters():
         p.requires_grad_(False)
     engine = InferenceEngine(engine_model, tokenizer, version=trainer.version, max_batch_size=cfg.rollout.max_batch_size,
@@ -244,7 +247,8 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
                              track_partials=tracks_partials(trainer.proximal),
                              reencode_on_update=cfg.rollout.reencode_on_update,
                              dtype=getattr(torch, cfg.rollout.engine_dtype),
-                             prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)
+                             prefix_cache_tokens=cfg.rollout.prefix_cache_tokens,
+                             lora_base=trainer.engine_lora_base())
     engine.start()
     ctx.stack.callback(engine.stop)
     reward_service = RewardService(reward_fn, timeout_s=cfg.reward.timeout_s,

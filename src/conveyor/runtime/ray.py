@@ -212,7 +212,10 @@ class RolloutActor:
             train_samples: The training samples (already preflighted by the driver).
             weights: The trainer's current :class:`~conveyor.sync.WeightUpdate` (applied to the
                 model loaded from ``model.name`` / ``model.seed``, so the engine starts from
-                exactly the trainer's parameters, also on a resume).
+                exactly the trainer's parameters, also on a resume). With LoRA (``lora.enabled``)
+                it holds the merged adapted weights or the adapter factors, applied to that base
+                model (whose other weights LoRA never changes); with ``lora.sync=adapter`` the
+                engine keeps the base weights of the adapted matrices to merge later adapters onto.
             engine_threads: Intra-op threads of the engine's decode thread.
             track_partials: Keep request tokens for old-log-prob scoring (partial_sync / dedicated).
             warmup_batches: Critic warm-up batches consumed so far.
@@ -243,7 +246,16 @@ class RolloutActor:
         reward_fn = load_reward_fn(cfg.reward.fn)
         lm = load_model(cfg.model.name, seed=cfg.model.seed)
         model = lm.model
-        model.load_state_dict(weights.state_dict())
+        lora_base = None
+        if cfg.lora.enabled:  # the base model from model.name (frozen under LoRA), the adapted weights on top
+            from conveyor.sync import apply_update
+
+            targets = dict(model.state_dict())
+            # lora.sync=adapter: the engine keeps W0 of each adapted weight to merge later adapters onto
+            lora_base = {n: targets[n].detach().clone() for n in weights.lora} or None
+            apply_update(targets, weights, lora_base)
+        else:
+            model.load_state_dict(weights.state_dict())
         model.eval()
         for p in model.parameters():
             p.requires_grad_(False)
@@ -253,7 +265,7 @@ class RolloutActor:
                                       seed=cfg.run.seed + version, num_threads=engine_threads,
                                       track_partials=track_partials, reencode_on_update=cfg.rollout.reencode_on_update,
                                       dtype=getattr(torch, cfg.rollout.engine_dtype),
-                                      prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)
+                                      prefix_cache_tokens=cfg.rollout.prefix_cache_tokens, lora_base=lora_base)
         self.engine.start()
         self.reward_service = RewardService(reward_fn, timeout_s=cfg.reward.timeout_s,
                                             failure_score=cfg.reward.failure_score, max_workers=cfg.reward.workers,

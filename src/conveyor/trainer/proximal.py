@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from conveyor.sync import WeightUpdate
+from conveyor.sync import WeightUpdate, apply_update
 from conveyor.trainer.corrections import interpolated_proximal, interpolation_alpha
 
 log = logging.getLogger(__name__)
@@ -242,12 +242,18 @@ class Dedicated(PartialSync):
     name = "dedicated"
     exact = True
 
-    def __init__(self, model: torch.nn.Module, version: int, threads: int = 1):
+    def __init__(self, model: torch.nn.Module, version: int, threads: int = 1,
+                 lora_base: dict[str, torch.Tensor] | None = None):
         import queue
         import threading
 
+        from conveyor.trainer.lora import inference_copy
+
         super().__init__()
-        self.model = copy.deepcopy(model).eval()
+        # like an engine: a plain copy (a LoRA policy's adapters merged), and the base weights
+        # W0 that adapter updates (lora.sync=adapter) are merged onto
+        self.model = inference_copy(model).eval()
+        self._lora_base = lora_base
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.version = version
@@ -299,7 +305,10 @@ class Dedicated(PartialSync):
                 patches, n = score_old_logprobs(self._spec, self.model, items, self.version)
                 deliver(patches)
                 with torch.no_grad():
-                    self.model.load_state_dict(update.state_dict(), strict=False)
+                    if update.lora:  # LoRA factors: merged onto the base weights, like the engine
+                        apply_update(dict(self.model.state_dict()), update, self._lora_base)
+                    else:
+                        self.model.load_state_dict(update.state_dict(), strict=False)
                 with self._cond:
                     self.busy_seconds += time.perf_counter() - t0
                     self.scored_tokens += n
@@ -600,8 +609,12 @@ def choose_auto(model: torch.nn.Module, eta: int | None, budget_bytes: int) -> t
 def build_strategy(method: str, model: torch.nn.Module, *, eta: int | None, version: int = 0,
                    interpolation: str = "loglinear", ewma_beta: float | None = None, ewma_reset_keep_rate: float = 0.90,
                    discrepancy_low: float = 0.8, discrepancy_high: float = 1.25,
-                   memory_budget_bytes: int = 4 * 2**30, dedicated_threads: int = 1) -> tuple[ProximalStrategy, str]:
+                   memory_budget_bytes: int = 4 * 2**30, dedicated_threads: int = 1,
+                   lora_base: dict[str, torch.Tensor] | None = None) -> tuple[ProximalStrategy, str]:
     """Build the strategy named ``method`` (one of ``METHODS``).
+
+    ``lora_base``: the dedicated worker's base weights for LoRA adapter updates
+    (``lora.sync=adapter``; :class:`Dedicated`).
 
     Returns:
         ``(strategy, note)``: ``note`` explains an ``auto`` choice (empty otherwise).
@@ -623,7 +636,7 @@ def build_strategy(method: str, model: torch.nn.Module, *, eta: int | None, vers
     if method == "partial_sync":
         return PartialSync(), note
     if method == "dedicated":
-        return Dedicated(model, version, threads=dedicated_threads), note
+        return Dedicated(model, version, threads=dedicated_threads, lora_base=lora_base), note
     if method == "ewma":
         return EWMA(model, beta=ewma_beta, reset_keep_rate=ewma_reset_keep_rate,
                     discrepancy_low=discrepancy_low, discrepancy_high=discrepancy_high), note

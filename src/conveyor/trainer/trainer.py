@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from conveyor.config import ConfigError, CriticConfig, LossConfig, ProximalConfig, TrainerConfig
+from conveyor.config import (
+    ConfigError,
+    CriticConfig,
+    LoraConfig,
+    LossConfig,
+    ProximalConfig,
+    TrainerConfig,
+)
 from conveyor.faults import fault_point
 from conveyor.hardware import resolve_bf16
 from conveyor.memory import release_free_memory, set_malloc_mmap_threshold
@@ -36,6 +43,7 @@ from conveyor.trainer.batch import (
     unit_members,
 )
 from conveyor.trainer.logprobs import ScoringSpec, token_logprobs
+from conveyor.trainer.lora import inference_copy
 from conveyor.trainer.objectives import ObjectiveInputs, get_objective
 from conveyor.trainer.proximal import build_strategy
 from conveyor.trainer.updater import Updater
@@ -177,6 +185,15 @@ class Trainer:
         bf16_choice: ``trainer.bf16=auto``'s choice made earlier in this run (a resume keeps it:
             :func:`conveyor.rundir.recorded_bf16`), used instead of measuring; None: measure
             (:func:`conveyor.hardware.resolve_bf16`). Ignored when ``trainer.bf16`` is true / false.
+        lora_cfg: ``lora.*``; with ``enabled`` the policy is wrapped with peft
+            (:func:`conveyor.trainer.lora.apply_lora`, in place: ``model`` gets LoRA layers), the
+            optimizer holds only the adapters, the KL reference is the base model (adapters
+            disabled) and :meth:`weight_update` sends merged weights or the adapter
+            (``lora.sync``). The critic (``loss.advantage=gae``) is built from the base model and
+            trains fully, as without LoRA.
+
+    Raises:
+        ConfigError: a bad ``critic.backbone``, or LoRA target modules that do not fit the model.
 
     The trainer never shares its parameters: :meth:`weight_update` returns copies.
     """
@@ -184,7 +201,13 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, trainer_cfg: TrainerConfig, loss_cfg: LossConfig, *, temperature: float = 1.0,
                  version: int = 0, proximal_cfg: ProximalConfig | None = None, eta: int | None = None,
                  max_new_tokens: int | None = None, critic_cfg: CriticConfig | None = None,
-                 bf16_choice: bool | None = None):
+                 bf16_choice: bool | None = None, lora_cfg: LoraConfig | None = None):
+        self.lora = None  # conveyor.trainer.lora.LoraPolicy with lora.enabled
+        if lora_cfg is not None and lora_cfg.enabled:
+            from conveyor.trainer.lora import apply_lora
+
+            self.lora = apply_lora(model, lora_cfg)  # adapters injected into `model` itself
+            log.info(self.lora.note)
         self.model = model
         self.cfg = trainer_cfg
         # bf16 autocast where the hardware makes it faster (trainer.bf16=auto, conveyor.hardware)
@@ -200,6 +223,7 @@ class Trainer:
             ewma_reset_keep_rate=pc.ewma_reset_keep_rate, discrepancy_low=loss_cfg.discrepancy_low,
             discrepancy_high=loss_cfg.discrepancy_high, memory_budget_bytes=pc.memory_budget_bytes,
             dedicated_threads=pc.dedicated_threads,
+            lora_base=self.engine_lora_base() if pc.method == "dedicated" else None,
         )
         if pc.method == "auto":
             log.info("proximal.method=auto chose %s: %s", self.proximal.name, self.proximal_note)
@@ -211,8 +235,10 @@ class Trainer:
             self.dis_eps = loss_lib.DIS_PRESETS[loss_cfg.dis_preset]
         else:
             self.dis_eps = (loss_cfg.dis_eps_low, loss_cfg.dis_eps_high)
+        # the KL penalty's reference: a frozen copy of the initial policy; with LoRA the base model
+        # itself under peft's disable_adapter() (the initial policy too: B starts at 0), no copy
         self.ref_model = None
-        if loss_cfg.kl_coef > 0:
+        if loss_cfg.kl_coef > 0 and self.lora is None:
             self.ref_model = copy.deepcopy(model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
@@ -252,9 +278,13 @@ class Trainer:
             cc = self.critic_cfg
             k = cc.updates_per_step
             frozen = 0
+            # with LoRA a copied backbone comes from the base model (no LoRA layers); a head
+            # critic reads the policy's own hidden states
+            source = (inference_copy(model, merged=False) if self.lora is not None and not cc.backbone.startswith("head")
+                      else model)
             for i in range(cc.num_critics):
                 try:  # seed i: each critic its own value-head init
-                    critic = critic_lib.build_value_model(model, cc.backbone, seed=i)
+                    critic = critic_lib.build_value_model(source, cc.backbone, seed=i)
                 except (ValueError, RuntimeError) as e:  # e.g. policy:L beyond the policy's layers, an unknown model
                     raise ConfigError(f"critic.backbone={cc.backbone}: {e}") from e
                 frozen = critic_lib.freeze_attention(critic) if cc.freeze_attention else 0
@@ -331,8 +361,41 @@ class Trainer:
                                            mb.position_ids, mask=mask, attention_mask=mb.attention_mask)
 
     def weight_update(self) -> WeightUpdate:
-        """The current parameters as a :class:`WeightUpdate` stamped with :attr:`version`."""
+        """The current parameters as a :class:`WeightUpdate` stamped with :attr:`version`: every
+        tensor (full fine-tuning), or with LoRA the merged targeted weights (``lora.sync=merged``)
+        or the adapter factors (``adapter``; :meth:`conveyor.trainer.lora.LoraPolicy.weight_update`)."""
+        if self.lora is not None:
+            return self.lora.weight_update(self.version)
         return WeightUpdate.from_model(self.model, self.version)
+
+    def inference_policy(self) -> torch.nn.Module:
+        """The policy as a plain transformers model for engines, evaluations and the export: the
+        trained model itself (full fine-tuning; callers copy it), or with LoRA a new copy with
+        the adapters merged and no peft modules."""
+        return self.lora.inference_model() if self.lora is not None else self.model
+
+    def engine_lora_base(self) -> dict[str, torch.Tensor] | None:
+        """The base weights ``W0`` an engine receiving adapters keeps (``lora.sync=adapter``:
+        its ``lora_base``, copies); None otherwise."""
+        if self.lora is None or self.lora.cfg.sync != "adapter":
+            return None
+        return self.lora.base_weights()
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether the KL penalty has a reference policy (``loss.kl_coef > 0``): the frozen copy,
+        or with LoRA the base model itself."""
+        return self.ref_model is not None or (self.lora is not None and self.loss_cfg.kl_coef > 0)
+
+    def _reference_logprobs(self, mb: PackedBatch) -> torch.Tensor:
+        """``log pi_ref`` ``[R, L]`` of the KL penalty: the frozen copy, or the base model
+        (adapters disabled) with LoRA."""
+        if self.lora is not None:
+            with self.lora.reference():
+                lp, _ = self._logprobs(self.model, mb)
+            return lp
+        lp, _ = self._logprobs(self.ref_model, mb)
+        return lp
 
     def scoring_spec(self) -> ScoringSpec:
         """How this trainer computes log-probs (temperature, precision, chunking, packing), for
@@ -446,8 +509,8 @@ class Trainer:
                     if scores.proximal[j] is None and not reuse_forward:
                         cur, scores.entropy[j] = self._logprobs(self.model, mb, with_entropy=True)
                         scores.proximal[j] = self.proximal.from_forward(cur, mb, self.version)
-                if self.ref_model is not None and not values_only:
-                    scores.reference[j], _ = self._logprobs(self.ref_model, mb)
+                if self.has_reference and not values_only:
+                    scores.reference[j] = self._reference_logprobs(mb)
                 if self.critic is not None:
                     t_v = time.perf_counter()
                     resp = (mb.response_index >= 0).float()
@@ -856,9 +919,12 @@ class Trainer:
     def state_dict(self) -> dict:
         """Everything needed to continue exactly: model, optimizer, scheduler, version, counters;
         the critic's model, optimizer, schedule and warm-up count (``loss.advantage=gae``); the
-        sliding-window baseline's history."""
+        sliding-window baseline's history. With LoRA ``model`` holds only the adapter (the base
+        weights are ``model.name``'s) and ``lora`` its rank, alpha and target modules."""
         return {
-            "model": self.model.state_dict(),
+            "model": self.lora.adapter_state() if self.lora is not None else self.model.state_dict(),
+            **({"lora": {"rank": self.lora.cfg.rank, "alpha": self.lora.cfg.alpha,
+                         "target_modules": list(self.lora.cfg.target_modules)}} if self.lora is not None else {}),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
@@ -872,8 +938,20 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` output."""
-        self.model.load_state_dict(state["model"])
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            ValueError: a LoRA checkpoint into a fully fine-tuned policy or the reverse, or an
+                adapter of another shape; a checkpoint without the critic(s) this run has.
+        """
+        if (self.lora is not None) != ("lora" in state):
+            raise ValueError("the checkpoint holds " + ("a LoRA adapter (lora.enabled=true)" if "lora" in state else
+                                                        "a fully fine-tuned policy (lora.enabled=false)")
+                             + "; resume it with the same lora.enabled")
+        if self.lora is not None:
+            self.lora.load_adapter_state(state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
