@@ -95,7 +95,7 @@ class RolloutConfig(_Strict):
                                         "fewer trajectories in flight, lower staleness, fewer dropped as stale; "
                                         "null: AReaL's capacity rule alone")
     prefix_cache_tokens: int = Field(
-        default=4096, ge=0, description="the engine's prefix cache (tokens; 0 = off): keys / values of prompts and of "
+        default=16384, ge=0, description="the engine's prefix cache (tokens; 0 = off): keys / values of prompts and of "
                                      "stopped turns are kept, so a tool / agent episode's next turn and a group's "
                                      "later responses run only their new tokens through the model (cleared at every "
                                      "weight update; 46 KB per token for SmolLM2 in float32)")
