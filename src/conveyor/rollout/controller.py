@@ -110,7 +110,7 @@ class ControllerStats:
     reward_failures: int = 0  # trajectories
     trajectories_accepted: int = 0
     prompts_too_long: int = 0  # samples skipped for good: prompt fills the model's context
-    expiring_waits: int = 0  # batches held back for expiring groups in flight (wait_for_expiring)
+    expiring_waits: int = 0  # batches that waited while expiring groups were in flight (wait_for_expiring)
     expiring_wait_timeouts: int = 0  # of those, formed anyway after expiring_wait_s
     last_error: str | None = None
 
@@ -292,19 +292,19 @@ class RolloutController:
         ``version``, holding the batch back (at most ``expiring_wait_s``) while expiring groups
         are in flight when ``wait_for_expiring`` is on; None: not ready yet (call again)."""
         pending = self.expiring_inflight(version) if self.wait_for_expiring else 0
-        if pending:
-            now = time.monotonic()
-            if self._holding is None or self._holding[0] != version:
-                self._holding = (version, now)
-            elif now - self._holding[1] > self.expiring_wait_s:
-                pending = 0  # waited long enough: form the batch as usual
+        holding = self._holding if self._holding is not None and self._holding[0] == version else None
+        timed_out = bool(pending) and holding is not None and time.monotonic() - holding[1] > self.expiring_wait_s
+        if timed_out:
+            pending = 0  # waited long enough: form the batch as usual
         batch = self.buffer.get_batch(n, version, pending_expiring=pending)
-        if batch is not None and self._holding is not None:
-            held_for = time.monotonic() - self._holding[1] if self._holding[0] == version else 0.0
-            if self._holding[0] == version:
-                self.stats.expiring_waits += 1
-                self.stats.expiring_wait_timeouts += held_for > self.expiring_wait_s
-            self._holding = None
+        if batch is None:
+            if pending and holding is None:  # from now on this version's batch waits for them
+                self._holding = (version, time.monotonic())
+            return None
+        if holding is not None:  # this batch waited while expiring groups were in flight
+            self.stats.expiring_waits += 1
+            self.stats.expiring_wait_timeouts += timed_out
+        self._holding = None
         return batch
 
     def hand_out(self, batch: list[Trajectory]) -> list[Trajectory]:
