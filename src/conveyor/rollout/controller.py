@@ -474,7 +474,6 @@ class RolloutController:
         except PromptTooLongError as e:  # retrying can never help: drop the sample for good
             with self._lock:
                 idx = self._inflight.pop(eid, None)
-                self._admitted_at.pop(eid, None)
                 if idx is not None:
                     self.data.skip.add(idx)
                 self._ledger.append({"sample": sample.id, "outcome": "prompt_too_long"})
@@ -498,7 +497,6 @@ class RolloutController:
                             extra={"console": False})
             with self._lock:
                 self._inflight.pop(eid, None)
-                self._admitted_at.pop(eid, None)
                 self._ledger.append({"sample": sample.id, "outcome": "failed",
                                      "error": self.stats.last_error[:200]})
             self.staleness.on_reject(G)
@@ -532,7 +530,6 @@ class RolloutController:
             self.staleness.on_accept(G)
         with self._lock:
             self._inflight.pop(eid, None)
-            self._admitted_at.pop(eid, None)
             if accept:
                 self.buffer.put(group)
             else:  # filtered (all-equal rewards) or rejected by the workflow (None)

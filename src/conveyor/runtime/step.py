@@ -83,16 +83,14 @@ class LocalRollout:
         self.elastic = elastic
 
     def next_batch(self, n: int, version: int, *, health=None, stop=None) -> list[Trajectory] | None:
-        if self.elastic is None:
-            batch = wait_for_batch(self.buffer, n, lambda: version, health_fn=health, stop=stop,
-                                   take=self.controller.take_batch)
-        else:  # lend the trainer's cores to the engine for the wait (a ready batch: no change at all)
+        if self.elastic is not None:  # lend the trainer's cores to the engine for the wait
             engine, own, lent = self.elastic
             engine.set_num_threads(lent)
-            try:
-                batch = wait_for_batch(self.buffer, n, lambda: version, health_fn=health, stop=stop,
-                                       take=self.controller.take_batch)
-            finally:
+        try:
+            batch = wait_for_batch(self.buffer, n, lambda: version, health_fn=health, stop=stop,
+                                   take=self.controller.take_batch)
+        finally:
+            if self.elastic is not None:
                 engine.set_num_threads(own)
         return None if batch is None else self.controller.hand_out(batch)
 
