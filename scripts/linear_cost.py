@@ -13,8 +13,10 @@ for dt in (torch.bfloat16, torch.float32):
     for M in (1, 2, 5, 8, 16, 30, 64):
         x = torch.randn(M, 576, dtype=dt)
         with torch.inference_mode():
-            for _ in range(20): lin(x)
-            t=time.perf_counter(); n=200
-            for _ in range(n): lin(x)
-            dtm=(time.perf_counter()-t)/n
+            for _ in range(20):
+                lin(x)
+            t, n = time.perf_counter(), 200
+            for _ in range(n):
+                lin(x)
+            dtm = (time.perf_counter() - t) / n
         print(dt, M, f"{dtm*1e6:.0f} us", f"{2*M*576*1536/dtm/1e9:.1f} GFLOP/s")
