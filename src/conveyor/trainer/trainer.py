@@ -31,6 +31,7 @@ from conveyor.sync import WeightUpdate
 from conveyor.trainer import advantages as adv_lib
 from conveyor.trainer import corrections as corr_lib
 from conveyor.trainer import critic as critic_lib
+from conveyor.trainer import distributed as dp_lib
 from conveyor.trainer import ensemble as ensemble_lib
 from conveyor.trainer import gae as gae_lib
 from conveyor.trainer import losses as loss_lib
@@ -110,6 +111,11 @@ class StepBatch:
         denominators: Per micro-batch share of the loss's normaliser (tokens or sequences).
         sequence_advantages: ``[N]`` scalar advantage per trajectory (outcome estimators), set by
             :meth:`Trainer.assign_advantages`.
+        padded: Per micro-batch, whether it is a zero-weight copy that only keeps data-parallel
+            processes' collectives in step (``trainer.world_size`` > 1; never trained on).
+        total_denominator: With data parallelism, the sum of every process's ``denominators``
+            (the whole batch's normaliser); None otherwise.
+        total_micro_batches: Micro-batches of the whole batch over all processes (padding excluded).
     """
 
     trajectories: list[Trajectory]
@@ -117,6 +123,9 @@ class StepBatch:
     token_weights: list[torch.Tensor]
     denominators: list[float]
     sequence_advantages: torch.Tensor | None = None
+    padded: list[bool] = field(default_factory=list)
+    total_denominator: float | None = None
+    total_micro_batches: int = 0
 
 
 @dataclass
@@ -185,6 +194,10 @@ class Trainer:
         bf16_choice: ``trainer.bf16=auto``'s choice made earlier in this run (a resume keeps it:
             :func:`conveyor.rundir.recorded_bf16`), used instead of measuring; None: measure
             (:func:`conveyor.hardware.resolve_bf16`). Ignored when ``trainer.bf16`` is true / false.
+        data_parallel: This process's place among ``trainer.world_size`` trainer processes
+            (:mod:`conveyor.trainer.distributed`; torch.distributed must be initialised): the
+            policy is sharded with FSDP2 and each process trains on its share of every batch's
+            micro-batches. None: one process.
         lora_cfg: ``lora.*``; with ``enabled`` the policy is wrapped with peft
             (:func:`conveyor.trainer.lora.apply_lora`, in place: ``model`` gets LoRA layers), the
             optimizer holds only the adapters, the KL reference is the base model (adapters
@@ -193,7 +206,8 @@ class Trainer:
             trains fully, as without LoRA.
 
     Raises:
-        ConfigError: a bad ``critic.backbone``, or LoRA target modules that do not fit the model.
+        ConfigError: a bad ``critic.backbone``, LoRA target modules that do not fit the model, or
+            an option data parallelism does not support yet (:meth:`_check_data_parallel`).
 
     The trainer never shares its parameters: :meth:`weight_update` returns copies.
     """
@@ -201,7 +215,11 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, trainer_cfg: TrainerConfig, loss_cfg: LossConfig, *, temperature: float = 1.0,
                  version: int = 0, proximal_cfg: ProximalConfig | None = None, eta: int | None = None,
                  max_new_tokens: int | None = None, critic_cfg: CriticConfig | None = None,
-                 bf16_choice: bool | None = None, lora_cfg: LoraConfig | None = None):
+                 bf16_choice: bool | None = None, lora_cfg: LoraConfig | None = None,
+                 data_parallel: dp_lib.DataParallel | None = None):
+        self.dp = data_parallel
+        if data_parallel is not None:
+            self._check_data_parallel(trainer_cfg, loss_cfg, proximal_cfg or ProximalConfig(), lora_cfg)
         self.lora = None  # conveyor.trainer.lora.LoraPolicy with lora.enabled
         if lora_cfg is not None and lora_cfg.enabled:
             from conveyor.trainer.lora import apply_lora
@@ -256,6 +274,22 @@ class Trainer:
             if not hasattr(model, "gradient_checkpointing_enable"):
                 raise ValueError("trainer.activation_checkpointing needs a transformers model (gradient_checkpointing_enable)")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # data parallelism: an unsharded twin (rank 0) to hand plain weights to engines and
+        # evaluations, then FSDP2 shards the policy before its optimizer is built
+        self._unsharded = None
+        self._roots: dict[int, dp_lib.ShardedRoot] = {}  # id(model) -> its FSDP2 root
+        if self.dp is not None:
+            if self.dp.leader:
+                self._unsharded = copy.deepcopy(model).eval()
+                for p in self._unsharded.parameters():
+                    p.requires_grad_(False)
+            try:
+                self._roots[id(model)] = dp_lib.shard_model(model)
+                if self.ref_model is not None:  # the KL reference: sharded alike, forward only
+                    self._roots[id(self.ref_model)] = dp_lib.shard_model(self.ref_model)
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
+            log.info("trainer: rank %d of %d, policy sharded with FSDP2", self.dp.rank, self.dp.world_size)
         self.policy = Updater.adamw(
             "policy", model, lr=trainer_cfg.lr, betas=trainer_cfg.betas, weight_decay=trainer_cfg.weight_decay,
             grad_clip=trainer_cfg.grad_clip, total_steps=trainer_cfg.total_steps * trainer_cfg.minibatches,
@@ -305,6 +339,22 @@ class Trainer:
                                 f"{frozen:,} of them in frozen attention), K = {k} updates per policy update")
             log.info(self.critic_note)
 
+    @staticmethod
+    def _check_data_parallel(tc: TrainerConfig, lc: LossConfig, pc: ProximalConfig, lora_cfg: LoraConfig | None) -> None:
+        """Refuse, naming the key, what ``trainer.world_size`` > 1 does not support yet: a critic,
+        LoRA, several minibatches, proximal strategies that keep model copies."""
+        bad = []
+        if lc.advantage == "gae":
+            bad.append("loss.advantage=gae (the critic is not sharded yet)")
+        if lora_cfg is not None and lora_cfg.enabled:
+            bad.append("lora.enabled=true")
+        if tc.minibatches != 1:
+            bad.append(f"trainer.minibatches={tc.minibatches}")
+        if pc.method not in ("recompute", "behavior"):
+            bad.append(f"proximal.method={pc.method} (recompute and behavior only)")
+        if bad:
+            raise ConfigError("trainer.world_size > 1 (FSDP2 data parallelism) does not support: " + "; ".join(bad))
+
     @property
     def in_critic_warmup(self) -> bool:
         """Whether critic-only warm-up steps remain (``critic.warmup_steps``; the policy waits at
@@ -345,8 +395,10 @@ class Trainer:
             release_free_memory()
 
     def _logprobs(self, model, mb: PackedBatch, with_entropy: bool = False, entropy_grad: bool = False):
+        root = self._roots.get(id(model))
+        call = token_logprobs if root is None else (lambda m, *a, **k: root(token_logprobs, *a, **k))
         with self._autocast():
-            return token_logprobs(
+            return call(
                 model, mb.input_ids, mb.position_ids, mb.targets, temperature=self.temperature,
                 chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy, mask=mb.mask,
                 attention_mask=mb.attention_mask, support=mb.support,  # sampling-mask replay
@@ -366,12 +418,27 @@ class Trainer:
         or the adapter factors (``adapter``; :meth:`conveyor.trainer.lora.LoraPolicy.weight_update`)."""
         if self.lora is not None:
             return self.lora.weight_update(self.version)
+        if self.dp is not None:  # collective: every process calls it; rank 0 gets the weights
+            policy = self._unsharded_policy()
+            return WeightUpdate.from_model(policy, self.version) if policy is not None else None
         return WeightUpdate.from_model(self.model, self.version)
+
+    def _unsharded_policy(self) -> torch.nn.Module | None:
+        """Data parallelism: the full weights gathered into rank 0's unsharded twin (collective;
+        None on other ranks)."""
+        state = dp_lib.full_model_state(self.model)
+        if not self.dp.leader:
+            return None
+        self._unsharded.load_state_dict(state)
+        return self._unsharded
 
     def inference_policy(self) -> torch.nn.Module:
         """The policy as a plain transformers model for engines, evaluations and the export: the
         trained model itself (full fine-tuning; callers copy it), or with LoRA a new copy with
-        the adapters merged and no peft modules."""
+        the adapters merged and no peft modules. With data parallelism: an unsharded model with
+        the gathered weights at rank 0 (collective; None on other ranks; callers copy it)."""
+        if self.dp is not None:
+            return self._unsharded_policy()
         return self.lora.inference_model() if self.lora is not None else self.model
 
     def engine_lora_base(self) -> dict[str, torch.Tensor] | None:
@@ -486,7 +553,23 @@ class Trainer:
         mbs = [pack(trajectories, zeros, [[units[k] for k in row] for row in rows]) for rows in plan]
         aggs = [corr_lib.aggregation_weights(mb.mask, lc.aggregation, seq_index=mb.seq_index, constant=self.aggregation_constant)
                 for mb in mbs]
-        return StepBatch(trajectories, mbs, [a[0] for a in aggs], [a[1] for a in aggs])
+        weights, denoms = [a[0] for a in aggs], [a[1] for a in aggs]
+        if self.dp is None:
+            return StepBatch(trajectories, mbs, weights, denoms, padded=[False] * len(mbs), total_micro_batches=len(mbs))
+        # data parallelism: every process packed the same batch; it keeps its share, padded with
+        # zero-weight copies so every process runs as many passes (distributed.py)
+        mine = dp_lib.assign_micro_batches([mb.num_tokens for mb in mbs], self.dp.world_size)[self.dp.rank]
+        n_pass = -(-len(mbs) // self.dp.world_size)
+        smallest = min(range(len(mbs)), key=lambda j: mbs[j].input_ids.numel())
+        pad = n_pass - len(mine)
+        return StepBatch(
+            trajectories,
+            [mbs[j] for j in mine] + [dp_lib.padding_batch(mbs[smallest]) for _ in range(pad)],
+            [weights[j] for j in mine] + [torch.zeros_like(weights[smallest]) for _ in range(pad)],
+            [denoms[j] for j in mine] + [0.0] * pad,
+            padded=[False] * len(mine) + [True] * pad, total_denominator=float(sum(denoms)),
+            total_micro_batches=len(mbs),
+        )
 
     def score(self, batch: StepBatch, *, values_only: bool = False) -> Scores:
         """Phase 2: what the update needs from the parameters before it (no gradient):
@@ -785,13 +868,17 @@ class Trainer:
         up = PolicyUpdate()
         poison = fault_point("loss")  # chaos suite: a non-finite loss injected in this step
         for grp in groups:
-            denom = sum(batch.denominators[j] for j in grp)
+            denom = batch.total_denominator if self.dp is not None else sum(batch.denominators[j] for j in grp)
             if denom == 0:
                 continue
             self.policy.zero_grad()
             finite = True
             for j in grp:
                 mb = mbs[j]
+                padded = bool(batch.padded[j]) if batch.padded else False
+                if padded:  # data parallelism: a zero-gradient pass that keeps the collectives in step
+                    self._padding_pass(mb)
+                    continue
                 bonus = lc.entropy_coef > 0
                 lp, ent = self._logprobs(self.model, mb, with_entropy=bonus or scores.entropy[j] is None,
                                          **({"entropy_grad": True} if bonus else {}))
@@ -813,15 +900,21 @@ class Trainer:
                     up.kl_sum += float(loss_lib.kl_penalty(lp.detach(), ref, mb.mask, kind="k3"))
                     loss = loss + lc.kl_coef * kl
                 loss = loss / denom  # exact global normalisation over the minibatch (loss.aggregation)
+                if self.dp is not None:  # FSDP2 averages gradients over the processes; the sum is wanted
+                    loss = loss * self.dp.world_size
                 if poison:
                     loss = loss * float("nan")
                 if not torch.isfinite(loss):
                     finite = False
-                    break
+                    if self.dp is None:
+                        break
+                    loss = loss * 0.0  # keep the collectives in step; the step is skipped below
                 loss.backward()
                 del loss, lp
                 self._trim()  # this micro-batch's activations are freed
                 up.outputs.append(out)
+            if self.dp is not None:
+                finite = dp_lib.all_true(finite)
             gn = self.policy.clip_grad_norm()
             if not finite or not torch.isfinite(gn):
                 self.policy.zero_grad()
@@ -836,6 +929,16 @@ class Trainer:
             self.proximal.on_optimizer_step(self.model, window * n_mini)
             up.proximal_seconds += time.perf_counter() - t_ew
         return up
+
+    def _padding_pass(self, mb: PackedBatch) -> None:
+        """Data parallelism: a forward and backward pass of the policy with a zero loss on a
+        padding micro-batch (:func:`conveyor.trainer.distributed.padding_batch`), so this
+        process gathers and reduce-scatters every FSDP2 unit as often as the others."""
+        root = self._roots[id(self.model)]
+        with self._autocast():
+            zero = root(lambda m, ids, pos: m(input_ids=ids, position_ids=pos, use_cache=False).logits.float().sum() * 0.0,
+                        mb.input_ids, mb.position_ids)
+        zero.backward()
 
     def _objective_inputs(self, mb: PackedBatch, lp: torch.Tensor, scores: Scores, j: int,
                           token_weights: torch.Tensor, extra: dict[str, list[float]]) -> ObjectiveInputs:
@@ -889,8 +992,17 @@ class Trainer:
         for j, mb in enumerate(mbs):
             if scores.entropy[j] is not None:
                 ent_sum += float((scores.entropy[j] * mb.mask).sum())
-        if update.outputs:
-            metrics.update({f"loss/{k}": v for k, v in loss_lib.aggregate(update.outputs).items()})
+        outputs, extra, kl_sum = update.outputs, update.extra, update.kl_sum
+        if self.dp is not None:  # the whole batch's figures: every process's share combined
+            shares = dp_lib.all_gather((n_tok, ent_sum, kl_sum, outputs, extra), self.dp.world_size)
+            n_tok, ent_sum, kl_sum = (sum(s[i] for s in shares) for i in range(3))
+            outputs = [o for s in shares for o in s[3]]
+            extra = {}
+            for s in shares:
+                for k, v in s[4].items():
+                    extra.setdefault(k, []).extend(v)
+        if outputs:
+            metrics.update({f"loss/{k}": v for k, v in loss_lib.aggregate(outputs).items()})
         rewards = torch.tensor([t.reward for t in batch.trajectories])
         grad_norms = update.grad_norms
         metrics.update({
@@ -902,16 +1014,16 @@ class Trainer:
             "train/optimizer_steps": float(len(grad_norms)),
             "train/lr": self.policy.lr,
             "train/tokens": float(n_tok),
-            "train/micro_batches": float(len(mbs)),
+            "train/micro_batches": float(batch.total_micro_batches or len(mbs)),
             "train/entropy": ent_sum / max(1, n_tok),
-            "train/kl_ref": update.kl_sum / max(1, n_tok),
+            "train/kl_ref": kl_sum / max(1, n_tok),
             "train/advantage_abs_mean": float(batch.sequence_advantages.abs().mean()),
             **({"train/advantage_token_mean": float(sum(float(mb.advantages.sum()) for mb in mbs) / max(1, n_tok))}
                if self.critic is not None else {}),
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std(unbiased=False)),
         })
-        for k, v in update.extra.items():
+        for k, v in extra.items():
             metrics[k] = sum(v) / len(v)
         return metrics
 
@@ -920,7 +1032,17 @@ class Trainer:
         """Everything needed to continue exactly: model, optimizer, scheduler, version, counters;
         the critic's model, optimizer, schedule and warm-up count (``loss.advantage=gae``); the
         sliding-window baseline's history. With LoRA ``model`` holds only the adapter (the base
-        weights are ``model.name``'s) and ``lora`` its rank, alpha and target modules."""
+        weights are ``model.name``'s) and ``lora`` its rank, alpha and target modules. With data
+        parallelism (collective) the full model and the optimizer state keyed by parameter name
+        (``optimizer_format`` ``by_name``, loadable by any number of processes) at rank 0."""
+        if self.dp is not None:
+            return {
+                "model": dp_lib.full_model_state(self.model),
+                "optimizer": dp_lib.full_optimizer_state(self.model, self.optimizer), "optimizer_format": "by_name",
+                "scheduler": self.scheduler.state_dict(), "version": self.version,
+                "nonfinite_in_a_row": self.nonfinite_in_a_row, "proximal": self.proximal.state_dict(),
+                **({"baseline": self.baseline.state_dict()} if self.baseline is not None else {}),
+            }
         return {
             "model": self.lora.adapter_state() if self.lora is not None else self.model.state_dict(),
             **({"lora": {"rank": self.lora.cfg.rank, "alpha": self.lora.cfg.alpha,
@@ -942,17 +1064,28 @@ class Trainer:
 
         Raises:
             ValueError: a LoRA checkpoint into a fully fine-tuned policy or the reverse, or an
-                adapter of another shape; a checkpoint without the critic(s) this run has.
+                adapter of another shape; a checkpoint without the critic(s) this run has; a
+                single-process checkpoint into a data-parallel trainer (its optimizer state is
+                keyed by parameter ids; the reverse works).
         """
         if (self.lora is not None) != ("lora" in state):
             raise ValueError("the checkpoint holds " + ("a LoRA adapter (lora.enabled=true)" if "lora" in state else
                                                         "a fully fine-tuned policy (lora.enabled=false)")
                              + "; resume it with the same lora.enabled")
+        by_name = state.get("optimizer_format") == "by_name"
+        if self.dp is not None and not by_name:
+            raise ValueError("the checkpoint was written by one trainer process; resume it with trainer.world_size=1 "
+                             "(its optimizer state is keyed by parameter ids)")
         if self.lora is not None:
             self.lora.load_adapter_state(state["model"])
+        elif self.dp is not None:  # collective; rank 0's state is broadcast
+            dp_lib.load_full_model_state(self.model, state["model"])
         else:
             self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if by_name:  # written with data parallelism: loads into any number of processes
+            dp_lib.load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))

@@ -92,8 +92,10 @@ class Updater:
 
     def clip_grad_norm(self) -> torch.Tensor:
         """Clip the gradients of ``params`` to ``grad_clip`` in place; the norm before clipping
-        (0-dim tensor; non-finite when a gradient is)."""
-        return torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or float("inf"))
+        (0-dim tensor; non-finite when a gradient is). Sharded parameters (FSDP2 ``DTensor``):
+        the norm over every process's shards (collective)."""
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or float("inf"))
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def step(self) -> None:
         """One optimiser step and one schedule step."""

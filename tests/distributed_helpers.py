@@ -1,0 +1,81 @@
+"""Helpers for tests/test_distributed_trainer.py: what one trainer process of a data-parallel
+group runs (spawned by ``torch.multiprocessing``, so it lives in an importable module)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+STEP_SEEDS = (0, 1)
+
+
+def trainer_kwargs(case: dict) -> tuple:
+    """(TrainerConfig, LossConfig) of a test case, the same in every process."""
+    from conveyor.config import LossConfig, TrainerConfig
+
+    tkw = {"bf16": False, "lr": 1e-3, "warmup_steps": 1, "micro_batch_tokens": 48, "grad_clip": 1.0, **case.get("trainer", {})}
+    return TrainerConfig(**tkw), LossConfig(**case.get("loss", {}))
+
+
+def batches(version_of) -> list:
+    """The fixed batches of the steps (8 trajectories, groups of 4 sharing their prompt)."""
+    from test_trainer import make_trajs
+
+    return [make_trajs(n=8, group=4, seed=s, version=version_of(s), shared_prompts=True) for s in STEP_SEEDS]
+
+
+def snapshot(trainer, model) -> dict:
+    """Full gradients and parameters (collective under FSDP2), keyed by name."""
+    from conveyor.trainer.distributed import full_tensor
+
+    grads = {n: full_tensor(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
+    params = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
+    return {"grads": grads, "params": params}
+
+
+def run_rank(rank: int, world: int, port: int, out_dir: str, case: dict) -> None:
+    """One process of the group: two train steps, a checkpoint after the first; rank 0 saves what
+    it saw (metrics, full gradients and parameters, the weight update, the checkpoint)."""
+    torch.set_num_threads(1)
+    from conveyor.config import ProximalConfig
+    from conveyor.models import load_model
+    from conveyor.trainer.distributed import init_process_group
+    from conveyor.trainer.trainer import Trainer
+
+    dp = init_process_group(rank, world, port=port, timeout_s=300)
+    try:
+        model = load_model("tiny", seed=0).model
+        tc, lc = trainer_kwargs(case)
+        tr = Trainer(model, tc, lc, temperature=0.9, proximal_cfg=ProximalConfig(), data_parallel=dp)
+        seen = []
+        ckpt = None
+        for step, batch in enumerate(batches(lambda s: s)):
+            m = tr.train_step(batch)
+            snap = snapshot(tr, model)
+            wu = tr.weight_update()
+            seen.append({"metrics": m, **snap, "weights": wu.tensors if wu is not None else None})
+            if step == 0:
+                ckpt = copy.deepcopy(tr.state_dict())  # like a checkpoint written at once (it references live tensors)
+        if rank == 0:
+            torch.save({"steps": seen, "checkpoint": ckpt, "version": tr.version}, Path(out_dir) / "rank0.pt")
+    finally:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def run_single(case: dict, model0) -> dict:
+    """The same two steps in one process (the reference)."""
+    from conveyor.config import ProximalConfig
+    from conveyor.trainer.trainer import Trainer
+
+    model = copy.deepcopy(model0)
+    tc, lc = trainer_kwargs(case)
+    tr = Trainer(model, tc, lc, temperature=0.9, proximal_cfg=ProximalConfig())
+    seen = []
+    for batch in batches(lambda s: s):
+        m = tr.train_step(batch)
+        seen.append({"metrics": m, **snapshot(tr, model)})
+    return {"steps": seen, "version": tr.version}
