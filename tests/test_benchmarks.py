@@ -39,6 +39,7 @@ SCRIPTS: dict[str, tuple[str, list[str]]] = {
     "test_engine_benchmark_quick": ("engine.py", ["--dtype", "bfloat16", "--baseline"]),  # ~12 s
     "test_behaviour_weight_benchmark_quick": ("behaviour_weight.py", ["--compare"]),  # ~10 s
     "test_weight_sync_benchmark_quick": ("weight_sync.py", []),  # ~10 s
+    "test_fsdp_benchmark_quick": ("fsdp.py", ["--json", "{out}/fsdp.json"]),  # ~25 s
     "test_lora_benchmark_quick": ("lora.py", ["--json", "{out}/lora.json"]),  # ~9 s
 }
 
@@ -249,3 +250,18 @@ def test_runtime_overhead_benchmark_quick(quick):
     assert r["ray_over_inline"] == pytest.approx(r["s_per_update"]["ray"] / r["s_per_update"]["inline"])
     t = r["transport"]
     assert t["message_mb"] > 0 and t["object_store_s"] > 0 and t["disk_s"] > 0
+
+
+def test_fsdp_benchmark_quick(quick):
+    r = _run(quick, "test_fsdp_benchmark_quick")
+    assert json.loads((quick[1] / "fsdp.json").read_text()) == r
+    single, fsdp = r["single"], r["fsdp"]
+    assert r["model"] == "tiny" and single["processes"] == 1 and fsdp["processes"] == r["world"] == 2
+    assert fsdp["micro_batches"] == single["micro_batches"] >= 2  # the same packed batch on both sides
+    assert r["loss_abs_diff"] < 1e-5  # the same update
+    # each process holds half of every parameter, gradient and AdamW moment (tiny's dims are even)
+    assert fsdp["max_over_ranks"]["param_bytes"] * 2 == single["rank0"]["param_bytes"]
+    assert fsdp["max_over_ranks"]["grad_bytes"] * 2 == single["rank0"]["grad_bytes"]
+    assert r["ratios"]["optimizer_state_bytes_per_process"] == pytest.approx(0.5, abs=0.001)
+    assert r["ratios"]["step_s"] == pytest.approx(fsdp["rank0"]["step_s"] / single["rank0"]["step_s"])
+    assert fsdp["rank0"]["weight_gather_s"] > 0

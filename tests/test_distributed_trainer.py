@@ -116,3 +116,48 @@ def test_micro_batches_are_assigned_largest_first_to_the_least_loaded_process():
     assert assign_micro_batches([5, 5, 5], 2) == [[0, 2], [1]]
     assert assign_micro_batches([1, 100, 1, 1], 2) == [[1, 3], [0, 2]]
     assert assign_micro_batches([7], 3) == [[0], [], []]
+
+
+E2E = [
+    "model.name=tiny", "trainer.batch_size=2", "rollout.group_size=2", "rollout.max_new_tokens=10",
+    "data.heldout_limit=3", "run.eval_max_new_tokens=6", "run.progress=false", "run.export=false",
+    "reward.workers=1", "trainer.lr=1e-3", "rollout.tool=none", "run.eval_before=false", "run.checkpoint_every=2",
+    "trainer.collective_timeout_s=60",  # a collective out of step fails the test in a minute, not ten
+]
+
+
+def test_conveyor_train_with_two_trainer_processes_runs_resumes_and_cleans_up(tmp_path):
+    """The inline runtime with trainer.world_size=2: rank 0 is this process, rank 1 a spawned
+    follower; the run trains, checkpoints, evaluates with the gathered weights, stops its
+    follower; its checkpoints resume with two processes and with ONE (the optimizer state is
+    keyed by name)."""
+    import json
+    import multiprocessing
+
+    from conveyor.config import load_config
+    from conveyor.train import load_run_config, run_training
+
+    run = tmp_path / "r"
+    res = run_training(load_config(None, E2E + ["trainer.total_steps=2", "trainer.world_size=2", f"run.dir={run}"]))
+    assert res.steps == 2
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("conveyor-trainer")]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["train/tokens"] > 0 for r in rows)
+    assert torch.load(run / "checkpoints" / "step_2" / "trainer.pt", weights_only=False)["optimizer_format"] == "by_name"
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in events if e["event"] == "eval"] == [2]  # the after-evaluation ran
+    # resumed by two processes (rank 0 reads the checkpoint and broadcasts it), then by one
+    res = run_training(load_run_config(run, ["trainer.total_steps=4"]), resume_dir=run)
+    assert res.steps == 4 and (run / "checkpoints" / "step_4").is_dir()
+    res = run_training(load_run_config(run, ["trainer.total_steps=5", "trainer.world_size=1"]), resume_dir=run)
+    assert res.steps == 5
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("conveyor-trainer")]
+
+
+def test_world_size_with_the_ray_runtime_is_a_config_error():
+    from conveyor.config import load_config
+
+    with pytest.raises(ConfigError, match="trainer.world_size=2 needs runtime.name=inline"):
+        load_config(None, ["trainer.world_size=2", "runtime.name=ray"])

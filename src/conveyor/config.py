@@ -438,6 +438,14 @@ class TrainerConfig(_Strict):
         default=False, description="return the C heap's free pages to the OS between the phases of an update (glibc "
                                    "malloc_trim; lowers peak memory when the heap fragments; conveyor.memory)")
 
+    world_size: int = Field(
+        default=1, ge=1, description="trainer processes: >1 shards the policy's parameters, gradients and AdamW state "
+                                     "over that many processes with PyTorch FSDP2 and splits every batch among them "
+                                     "(data parallelism; gloo on the CPU; conveyor.trainer.distributed)")
+    collective_timeout_s: float = Field(
+        default=600.0, gt=0, description="with world_size > 1: seconds a collective (gradient reduce, weight "
+                                         "gather) may wait for the slowest trainer process before the run fails")
+
     @model_validator(mode="after")
     def _optimizer_paths(self) -> TrainerConfig:
         if self.optimizer_fused and self.optimizer_foreach:
@@ -595,6 +603,9 @@ class TrainConfig(_Strict):
         if self.reward.overlong == "soft" and self.reward.overlong_buffer > self.rollout.max_new_tokens:
             raise ValueError(f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be <= "
                              f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) with reward.overlong=soft")
+        if self.trainer.world_size > 1 and self.runtime.name != "inline":
+            raise ValueError(f"trainer.world_size={self.trainer.world_size} needs runtime.name=inline (the Ray runtime "
+                             "runs one trainer process)")
         if self.critic.warmup_steps and self.loss.advantage != "gae":
             raise ValueError(f"critic.warmup_steps={self.critic.warmup_steps} needs a critic: set loss.advantage=gae "
                              "(or critic.warmup_steps=0)")

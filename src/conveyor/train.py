@@ -35,6 +35,7 @@ from conveyor.checkpoint import (
 )
 from conveyor.config import TrainConfig, load_config
 from conveyor.data import load_dataset
+from conveyor.hardware import resolve_bf16
 from conveyor.models import load_model
 from conveyor.rewards import load_reward_fn
 from conveyor.rundir import (
@@ -58,9 +59,10 @@ from conveyor.runtime.inline import (
     heldout_eval,
     train_loop,
 )
+from conveyor.runtime.trainer_group import TrainerGroup
 from conveyor.runtime_files import atomic_write_json, check_run_dir, make_run_dir
 from conveyor.shutdown import StopNow
-from conveyor.trainer.trainer import Trainer
+from conveyor.trainer.trainer import Trainer, build_trainer
 
 log = logging.getLogger(__name__)
 
@@ -207,9 +209,10 @@ class _Job:
     resumed: dict = field(default_factory=dict)  # prepare_resume's report
 
 
-def _load_job(cfg: TrainConfig, start: _Start, console) -> _Job:
+def _load_job(cfg: TrainConfig, start: _Start, console, ctx: RunContext) -> _Job:
     """Data, model, trainer (restored from ``start.ckpt``); everything that can fail on bad
-    input, before the run directory is touched (a typo never leaves a stray directory)."""
+    input, before the run directory is touched (a typo never leaves a stray directory). With
+    ``trainer.world_size`` > 1 the other trainer processes start here (closed with ``ctx``)."""
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
     engine_threads, trainer_threads = resolve_threads(cfg)
@@ -221,9 +224,14 @@ def _load_job(cfg: TrainConfig, start: _Start, console) -> _Job:
     train_samples, heldout, n_too_long, warnings = preflight_samples(cfg, train_samples, heldout, lm.tokenizer, lm.model)
     # a resume keeps trainer.bf16=auto's first choice (a new measurement could flip the precision)
     bf16_choice = recorded_bf16(start.run_dir) if start.run_dir is not None else None
-    trainer = Trainer(lm.model, cfg.trainer, cfg.loss, temperature=cfg.rollout.temperature, proximal_cfg=cfg.proximal,
-                      eta=cfg.asynchronous.eta, max_new_tokens=cfg.rollout.max_new_tokens, critic_cfg=cfg.critic,
-                      bf16_choice=bf16_choice, lora_cfg=cfg.lora)
+    group, precision_note = None, None
+    if cfg.trainer.world_size > 1:  # FSDP2 data parallelism: every process at rank 0's precision
+        bf16_choice, precision_note = resolve_bf16(cfg.trainer.bf16, "cpu", recorded=bf16_choice)
+        group = TrainerGroup.start(cfg, bf16=bf16_choice, threads=trainer_threads)
+        ctx.stack.callback(group.close)
+    trainer = build_trainer(cfg, lm.model, bf16_choice=bf16_choice, data_parallel=group.dp if group else None)
+    if precision_note is not None:
+        trainer.precision_note = precision_note
     job = _Job(trainer, lm.tokenizer, reward_fn, train_samples, heldout, n_too_long, warnings, engine_threads)
     if start.ckpt is not None:
         trainer.load_state_dict(torch.load(start.ckpt / "trainer.pt", weights_only=False))
@@ -299,7 +307,7 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
     start = _start_point(cfg, resume_dir, console, ctx)
     if isinstance(start, TrainResult):
         return start  # finished already: left untouched
-    job = _load_job(cfg, start, console)
+    job = _load_job(cfg, start, console, ctx)
     trainer = job.trainer
     if start.run_dir is None:
         start.run_dir = _make_run_dir(cfg)

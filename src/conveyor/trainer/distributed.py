@@ -43,10 +43,14 @@ class DataParallel:
         rank: 0 .. ``world_size - 1``; rank 0 is the leader (it runs the rollout side and
             publishes weights).
         world_size: Trainer processes (``trainer.world_size``), >= 2.
+        announce: At rank 0 of a :class:`~conveyor.runtime.trainer_group.TrainerGroup`: sends
+            ``(method, args, kwargs)`` to every follower before a :func:`collective` call
+            (None: the processes call the trainer in step by themselves, as in tests).
     """
 
     rank: int
     world_size: int
+    announce: Any = None
 
     @property
     def leader(self) -> bool:
@@ -135,8 +139,12 @@ class ShardedRoot(torch.nn.Module):
         self.model = model
 
     def forward(self, fn, *args, **kwargs):
-        """``fn(model, *args, **kwargs)``."""
-        return fn(self.model, *args, **kwargs)
+        """``fn(model, *args, **kwargs)``; tensors come back as fresh tensors, not views (FSDP2
+        hooks its pre-backward on the outputs, which an in-place op on a view would drop)."""
+        out = fn(self.model, *args, **kwargs)
+        if isinstance(out, tuple):
+            return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
+        return out.clone() if isinstance(out, torch.Tensor) else out
 
 
 def shard_model(model: torch.nn.Module) -> ShardedRoot:
@@ -204,13 +212,6 @@ def all_gather(obj: Any, world_size: int) -> list[Any]:
     return out
 
 
-def broadcast(obj: Any = None) -> Any:
-    """Rank 0's ``obj`` on every process (collective; other ranks' argument is ignored)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A ``DTensor``'s full value (an all-gather: collective), any other tensor as it is."""
     from torch.distributed.tensor import DTensor
@@ -249,3 +250,69 @@ def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
     distributed = dist.is_available() and dist.is_initialized()
     set_optimizer_state_dict(model, optimizer, state,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed))
+
+
+# ---------------------------------------------------------------------- leader and followers
+# Rank 0 runs the whole job (rollout, logs, checkpoints); ranks 1.. run only :func:`follow`,
+# which repeats each collective trainer call rank 0 announces. The trainer's methods that every
+# process must run together carry :func:`collective`.
+
+STOP = "__stop__"
+
+
+def collective(light: Any = None):
+    """Mark a :class:`~conveyor.trainer.trainer.Trainer` method that every data-parallel process
+    runs together: at rank 0 it first announces ``(name, args, kwargs)`` to the followers
+    (``DataParallel.announce``; they run it in :func:`follow`), then runs. Without data
+    parallelism (``self.dp`` None) or without an announcer it only runs.
+
+    Args:
+        light: Optional ``(args, kwargs) -> (args, kwargs)`` applied to what is broadcast (e.g.
+            a checkpoint's state without its full tensors, which rank 0 broadcasts itself).
+    """
+    import functools
+
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            dp = getattr(self, "dp", None)
+            if dp is not None and dp.leader and dp.announce is not None:
+                a, k = light(args, kwargs) if light is not None else (args, kwargs)
+                dp.announce((method.__name__, a, k))
+            return method(self, *args, **kwargs)
+
+        return run
+
+    return wrap
+
+
+def follow(trainer, receive) -> int:
+    """A follower's loop: run each collective call rank 0 announces on this process's trainer
+    until rank 0 announces the stop. A call that raises on a follower also raised on rank 0
+    where the processes agree (a non-finite step: logged there); any other error ends the loop.
+
+    Args:
+        trainer: This process's trainer.
+        receive: ``() -> (name, args, kwargs)``, the next announced call (blocks; the waits
+            between calls, e.g. while rank 0 waits for rollouts or evaluates, are not
+            collectives and have no timeout); ``name`` :data:`STOP` ends the loop.
+
+    Returns:
+        The number of calls run.
+
+    Raises:
+        Whatever a call raised other than :class:`~conveyor.trainer.trainer.NonFiniteLossError`.
+    """
+    from conveyor.trainer.trainer import NonFiniteLossError
+
+    n = 0
+    while True:
+        name, args, kwargs = receive()
+        if name == STOP:
+            return n
+        try:
+            getattr(trainer, name)(*args, **kwargs)
+        except NonFiniteLossError:
+            pass  # rank 0 raised the same (the processes agreed on it); it decides what follows
+        n += 1
+

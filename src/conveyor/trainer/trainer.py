@@ -22,6 +22,7 @@ from conveyor.config import (
     LoraConfig,
     LossConfig,
     ProximalConfig,
+    TrainConfig,
     TrainerConfig,
 )
 from conveyor.faults import fault_point
@@ -175,6 +176,20 @@ class PolicyUpdate:
     skipped: bool = False
     proximal_seconds: float = 0.0
     entropy_sum: float = 0.0
+
+
+def build_trainer(cfg: TrainConfig, model: torch.nn.Module, *, bf16_choice: bool | None = None,
+                  data_parallel: dp_lib.DataParallel | None = None) -> Trainer:
+    """The run's :class:`Trainer` from its configuration (``trainer``, ``loss``, ``proximal``,
+    ``critic``, ``lora``; the rollout's temperature and length; ``async.eta``), the same in every
+    trainer process.
+
+    Raises:
+        ConfigError: see :class:`Trainer`.
+    """
+    return Trainer(model, cfg.trainer, cfg.loss, temperature=cfg.rollout.temperature, proximal_cfg=cfg.proximal,
+                   eta=cfg.asynchronous.eta, max_new_tokens=cfg.rollout.max_new_tokens, critic_cfg=cfg.critic,
+                   bf16_choice=bf16_choice, lora_cfg=cfg.lora, data_parallel=data_parallel)
 
 
 class Trainer:
@@ -412,6 +427,7 @@ class Trainer:
             return critic_lib.token_values(critic if critic is not None else self.critic, mb.input_ids,
                                            mb.position_ids, mask=mask, attention_mask=mb.attention_mask)
 
+    @dp_lib.collective()
     def weight_update(self) -> WeightUpdate:
         """The current parameters as a :class:`WeightUpdate` stamped with :attr:`version`: every
         tensor (full fine-tuning), or with LoRA the merged targeted weights (``lora.sync=merged``)
@@ -432,6 +448,7 @@ class Trainer:
         self._unsharded.load_state_dict(state)
         return self._unsharded
 
+    @dp_lib.collective()
     def inference_policy(self) -> torch.nn.Module:
         """The policy as a plain transformers model for engines, evaluations and the export: the
         trained model itself (full fine-tuning; callers copy it), or with LoRA a new copy with
@@ -480,6 +497,7 @@ class Trainer:
         return events
 
     # ------------------------------------------------------------------ the update
+    @dp_lib.collective()
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One policy update on a batch of trajectories; increments :attr:`version` by one.
 
@@ -1028,6 +1046,7 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------ checkpointing
+    @dp_lib.collective()
     def state_dict(self) -> dict:
         """Everything needed to continue exactly: model, optimizer, scheduler, version, counters;
         the critic's model, optimizer, schedule and warm-up count (``loss.advantage=gae``); the
@@ -1059,6 +1078,7 @@ class Trainer:
             **({"baseline": self.baseline.state_dict()} if self.baseline is not None else {}),
         }
 
+    @dp_lib.collective(light=lambda a, k: (({key: v for key, v in a[0].items() if key not in ('model', 'optimizer')},), k))
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output.
 
@@ -1078,12 +1098,12 @@ class Trainer:
                              "(its optimizer state is keyed by parameter ids)")
         if self.lora is not None:
             self.lora.load_adapter_state(state["model"])
-        elif self.dp is not None:  # collective; rank 0's state is broadcast
-            dp_lib.load_full_model_state(self.model, state["model"])
+        elif self.dp is not None:  # collective; rank 0's state is broadcast (followers get none)
+            dp_lib.load_full_model_state(self.model, state.get("model", {}))
         else:
             self.model.load_state_dict(state["model"])
         if by_name:  # written with data parallelism: loads into any number of processes
-            dp_lib.load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
+            dp_lib.load_full_optimizer_state(self.model, self.optimizer, state.get("optimizer", {}))
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
