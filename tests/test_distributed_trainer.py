@@ -161,3 +161,47 @@ def test_world_size_with_the_ray_runtime_is_a_config_error():
 
     with pytest.raises(ConfigError, match="trainer.world_size=2 needs runtime.name=inline"):
         load_config(None, ["trainer.world_size=2", "runtime.name=ray"])
+
+
+LEADER = """
+import sys, time
+from conveyor.config import load_config
+from conveyor.runtime.trainer_group import TrainerGroup
+cfg = load_config(None, ["model.name=tiny", "trainer.world_size=2", "trainer.collective_timeout_s=60"])
+group = TrainerGroup.start(cfg, bf16=False, threads=1)
+print(group.processes[0].pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_follower_exits_when_rank_0_is_killed(tmp_path):
+    """``kill -9`` of the conveyor train process must not leave its trainer followers behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    leader = subprocess.Popen([sys.executable, "-c", LEADER], stdout=subprocess.PIPE, text=True)
+    try:
+        follower = int(leader.stdout.readline())
+        os.kill(follower, 0)  # running
+        time.sleep(3)
+        leader.send_signal(signal.SIGKILL)
+        leader.wait(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.kill(follower, 0)
+            except ProcessLookupError:
+                break
+            with open(f"/proc/{follower}/stat") as f:  # an exited, not yet reaped child is gone too
+                if f.read().split()[2] == "Z":
+                    break
+            time.sleep(0.5)
+        else:
+            os.kill(follower, signal.SIGKILL)
+            pytest.fail(f"follower {follower} still running 30 s after rank 0 was killed")
+    finally:
+        if leader.poll() is None:
+            leader.kill()
