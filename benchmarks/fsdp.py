@@ -46,12 +46,12 @@ def _local_bytes(t) -> int:
 def measure(rank: int, world: int, port: int, args: dict, out: str) -> None:
     """One trainer process (world 1: no process group); writes its figures to ``out/rank<r>.json``."""
     import torch
+    from lora import synthetic_batch
 
     from conveyor.config import LossConfig, TrainerConfig
     from conveyor.models import load_model
     from conveyor.trainer.distributed import init_process_group
     from conveyor.trainer.trainer import Trainer
-    from lora import synthetic_batch
 
     torch.set_num_threads(max(1, args["threads"] // world))
     dp = init_process_group(rank, world, port=port, timeout_s=600) if world > 1 else None

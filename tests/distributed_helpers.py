@@ -19,11 +19,17 @@ def trainer_kwargs(case: dict) -> tuple:
     return TrainerConfig(**tkw), LossConfig(**case.get("loss", {}))
 
 
-def batches(version_of) -> list:
-    """The fixed batches of the steps (8 trajectories, groups of 4 sharing their prompt)."""
+def batches(version_of, case: dict | None = None) -> list:
+    """The fixed batches of the steps (8 trajectories, groups of 4 sharing their prompt); the
+    trajectories listed in ``case["filtered"]`` have no loss token (as reward.overlong=filter
+    leaves a truncated response)."""
     from test_trainer import make_trajs
 
-    return [make_trajs(n=8, group=4, seed=s, version=version_of(s), shared_prompts=True) for s in STEP_SEEDS]
+    out = [make_trajs(n=8, group=4, seed=s, version=version_of(s), shared_prompts=True) for s in STEP_SEEDS]
+    for batch in out:
+        for i in (case or {}).get("filtered", []):
+            batch[i].action_mask = [0] * len(batch[i].response_ids)
+    return out
 
 
 def snapshot(trainer, model) -> dict:
@@ -50,16 +56,19 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, case: dict) -> None
         tc, lc = trainer_kwargs(case)
         tr = Trainer(model, tc, lc, temperature=0.9, proximal_cfg=ProximalConfig(), data_parallel=dp)
         seen = []
-        ckpt = None
-        for step, batch in enumerate(batches(lambda s: s)):
+        ckpt = policy = None
+        for step, batch in enumerate(batches(lambda s: s, case)):
             m = tr.train_step(batch)
             snap = snapshot(tr, model)
             wu = tr.weight_update()
             seen.append({"metrics": m, **snap, "weights": wu.tensors if wu is not None else None})
             if step == 0:
                 ckpt = copy.deepcopy(tr.state_dict())  # like a checkpoint written at once (it references live tensors)
+                policy = tr.inference_policy()  # e.g. the engine's model: must not change with later gathers
         if rank == 0:
-            torch.save({"steps": seen, "checkpoint": ckpt, "version": tr.version}, Path(out_dir) / "rank0.pt")
+            kept = {n: t.detach().clone() for n, t in policy.named_parameters()}
+            torch.save({"steps": seen, "checkpoint": ckpt, "version": tr.version, "policy_after_step_1": kept},
+                       Path(out_dir) / "rank0.pt")
     finally:
         import torch.distributed as dist
 
@@ -75,7 +84,7 @@ def run_single(case: dict, model0) -> dict:
     tc, lc = trainer_kwargs(case)
     tr = Trainer(model, tc, lc, temperature=0.9, proximal_cfg=ProximalConfig())
     seen = []
-    for batch in batches(lambda s: s):
+    for batch in batches(lambda s: s, case):
         m = tr.train_step(batch)
         seen.append({"metrics": m, **snapshot(tr, model)})
     return {"steps": seen, "version": tr.version}

@@ -20,8 +20,11 @@ CASES = {
     "grpo_token_mean": {"trainer": {"micro_batch_tokens": 24}},
     # two micro-batches, one each; sequence-mean aggregation and truncated importance sampling
     "seq_mean_tis": {"loss": {"aggregation": "seq_mean_token_mean", "correction": "tis_token"}},
+    # five micro-batches, two of them without a loss token (a group filtered as overlong): 3 + 2
+    # real passes plus one padding pass; the single process skips the empty ones
+    "filtered_group": {"trainer": {"micro_batch_tokens": 16}, "filtered": [0, 1, 2, 3]},
 }
-MICRO_BATCHES = {"grpo_token_mean": 3, "seq_mean_tis": 2}
+MICRO_BATCHES = {"grpo_token_mean": 3, "seq_mean_tis": 2, "filtered_group": 5}
 SKIP = ("time/", "train/tokens_per_s", "proximal/extra_bytes")
 
 
@@ -65,6 +68,15 @@ def test_two_processes_give_the_single_process_update(runs):
             assert torch.equal(d["weights"][n], t), (name, step, n)
 
 
+def test_an_inference_policy_is_a_copy_that_later_gathers_leave_alone(runs):
+    """inference_policy() at version 1 (an engine's or an evaluation's model) still holds version
+    1's weights after version 2 was gathered for the engine."""
+    _, _, dp, _ = runs
+    for n, t in dp["policy_after_step_1"].items():
+        assert torch.equal(t, dp["steps"][0]["params"][n]), n
+    assert any(not torch.equal(t, dp["steps"][1]["params"][n]) for n, t in dp["policy_after_step_1"].items())
+
+
 def test_the_update_moved_the_parameters(runs, tiny):
     """Guards the comparison above against a trainer that did nothing on both sides."""
     _, _, dp, _ = runs
@@ -81,7 +93,7 @@ def test_a_data_parallel_checkpoint_resumes_in_one_process(runs, tiny):
     tc, lc = trainer_kwargs(case)
     tr = Trainer(model, tc, lc, temperature=0.9, proximal_cfg=ProximalConfig())
     tr.load_state_dict(ckpt)
-    m = tr.train_step(batches(lambda s: s)[1])
+    m = tr.train_step(batches(lambda s: s, case)[1])
     assert m["loss/loss"] == pytest.approx(single["steps"][1]["metrics"]["loss/loss"], rel=1e-4, abs=1e-6)
     for n, p in model.named_parameters():
         assert _close_params(p.detach(), single["steps"][1]["params"][n]), (name, n)
@@ -156,11 +168,42 @@ def test_conveyor_train_with_two_trainer_processes_runs_resumes_and_cleans_up(tm
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("conveyor-trainer")]
 
 
-def test_world_size_with_the_ray_runtime_is_a_config_error():
+def test_world_size_with_the_ray_runtime_or_lora_is_a_config_error():
     from conveyor.config import load_config
 
     with pytest.raises(ConfigError, match="trainer.world_size=2 needs runtime.name=inline"):
         load_config(None, ["trainer.world_size=2", "runtime.name=ray"])
+    with pytest.raises(ConfigError, match=r"does not support: lora\.enabled=true"):  # at load, before any process starts
+        load_config(None, ["trainer.world_size=2", "lora.enabled=true"])
+
+
+def test_a_failed_collective_call_at_rank_0_refuses_every_later_one():
+    """Once a collective call raised at rank 0 the followers may sit in a collective: later calls
+    (e.g. the final checkpoint) are refused at once instead of pairing mismatched collectives."""
+    from conveyor.trainer.distributed import OutOfStepError, collective
+    from conveyor.trainer.trainer import NonFiniteLossError
+
+    class Fake:
+        def __init__(self):
+            self.announced = []
+            self.dp = DataParallel(0, 2, announce=self.announced.append)
+
+        @collective()
+        def step(self, exc=None):
+            if exc is not None:
+                raise exc
+            return "ran"
+
+    f = Fake()
+    assert f.step() == "ran"
+    with pytest.raises(NonFiniteLossError):  # every process raises it, in agreement: still in step
+        f.step(NonFiniteLossError("nan"))
+    assert f.step() == "ran"
+    with pytest.raises(ValueError):
+        f.step(ValueError("bad support ids"))
+    with pytest.raises(OutOfStepError, match="out of step since step failed at rank 0"):
+        f.step()
+    assert [c[0] for c in f.announced] == ["step"] * 4  # the refused call was not announced
 
 
 LEADER = """

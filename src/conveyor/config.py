@@ -603,9 +603,14 @@ class TrainConfig(_Strict):
         if self.reward.overlong == "soft" and self.reward.overlong_buffer > self.rollout.max_new_tokens:
             raise ValueError(f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be <= "
                              f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) with reward.overlong=soft")
-        if self.trainer.world_size > 1 and self.runtime.name != "inline":
-            raise ValueError(f"trainer.world_size={self.trainer.world_size} needs runtime.name=inline (the Ray runtime "
-                             "runs one trainer process)")
+        if self.trainer.world_size > 1:
+            if self.runtime.name != "inline":
+                raise ValueError(f"trainer.world_size={self.trainer.world_size} needs runtime.name=inline (the Ray "
+                                 "runtime runs one trainer process)")
+            bad = data_parallel_unsupported(self.trainer, self.loss, self.proximal, self.lora)
+            if bad:
+                raise ValueError(f"trainer.world_size={self.trainer.world_size} (FSDP2 data parallelism) does not "
+                                 "support: " + "; ".join(bad))
         if self.critic.warmup_steps and self.loss.advantage != "gae":
             raise ValueError(f"critic.warmup_steps={self.critic.warmup_steps} needs a critic: set loss.advantage=gae "
                              "(or critic.warmup_steps=0)")
@@ -699,6 +704,23 @@ class TrainConfig(_Strict):
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (with the ``async`` key spelled as in files)."""
         return self.model_dump(by_alias=True, mode="json")
+
+
+def data_parallel_unsupported(trainer: TrainerConfig, loss: LossConfig, proximal: ProximalConfig,
+                              lora: LoraConfig | None) -> list[str]:
+    """What ``trainer.world_size`` > 1 (FSDP2 data parallelism) does not support yet, each naming
+    its key (empty: supported): a critic, LoRA, several minibatches, proximal strategies that
+    keep model copies."""
+    bad = []
+    if loss.advantage == "gae":
+        bad.append("loss.advantage=gae (the critic is not sharded yet)")
+    if lora is not None and lora.enabled:
+        bad.append("lora.enabled=true")
+    if trainer.minibatches != 1:
+        bad.append(f"trainer.minibatches={trainer.minibatches}")
+    if proximal.method not in ("recompute", "behavior"):
+        bad.append(f"proximal.method={proximal.method} (recompute and behavior only)")
+    return bad
 
 
 def _check_can_learn(temperature: float, group_size: int, advantage: str) -> None:

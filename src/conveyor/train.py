@@ -227,6 +227,9 @@ def _load_job(cfg: TrainConfig, start: _Start, console, ctx: RunContext) -> _Job
     group, precision_note = None, None
     if cfg.trainer.world_size > 1:  # FSDP2 data parallelism: every process at rank 0's precision
         bf16_choice, precision_note = resolve_bf16(cfg.trainer.bf16, "cpu", recorded=bf16_choice)
+        # the trainer's threads shared among its processes (they compute in lockstep)
+        trainer_threads = max(1, trainer_threads // cfg.trainer.world_size)
+        torch.set_num_threads(trainer_threads)
         group = TrainerGroup.start(cfg, bf16=bf16_choice, threads=trainer_threads)
         ctx.stack.callback(group.close)
     trainer = build_trainer(cfg, lm.model, bf16_choice=bf16_choice, data_parallel=group.dp if group else None)

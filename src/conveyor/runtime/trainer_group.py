@@ -23,6 +23,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 from dataclasses import dataclass, replace
 
 import torch
@@ -77,6 +78,10 @@ def follower_main(args: FollowerArgs) -> None:
     from conveyor.models import load_model
     from conveyor.trainer.trainer import build_trainer
 
+    # Ctrl-C / SIGTERM reach the whole process group: rank 0 handles them (a checkpoint after the
+    # step, then closes the group); a follower that died on them would fail that checkpoint
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format=f"[trainer rank {args.rank}] %(levelname)s %(name)s: %(message)s")
     cfg = TrainConfig.model_validate(args.config)
     torch.set_num_threads(args.threads)
@@ -130,19 +135,20 @@ class TrainerGroup:
         spawn = mp.get_context("spawn")
         config = cfg.model_dump(mode="json", by_alias=True)
         procs, queues = [], []
-        for rank in range(1, world):
-            q = spawn.Queue()
-            p = spawn.Process(target=follower_main, name=f"conveyor-trainer-{rank}", daemon=True,
-                              args=(FollowerArgs(rank, world, port, backend, config, bf16, threads, q, os.getpid()),))
-            p.start()
-            procs.append(p)
-            queues.append(q)
         try:
+            for rank in range(1, world):
+                q = spawn.Queue()
+                p = spawn.Process(target=follower_main, name=f"conveyor-trainer-{rank}", daemon=True,
+                                  args=(FollowerArgs(rank, world, port, backend, config, bf16, threads, q, os.getpid()),))
+                p.start()
+                procs.append(p)
+                queues.append(q)
             dp = dp_lib.init_process_group(0, world, port=port, backend=backend,
                                            timeout_s=cfg.trainer.collective_timeout_s)
         except BaseException:
             for p in procs:
                 p.terminate()
+                p.join(5.0)
             raise
         log.info("trainer: %d processes (FSDP2, %s), followers pids %s", world, backend, [p.pid for p in procs])
         return cls(dp, procs, queues)

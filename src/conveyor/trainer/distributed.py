@@ -240,7 +240,11 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     The same format loads into a sharded or an unsharded model (:func:`load_full_optimizer_state`)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    fresh = not optimizer.state  # before the first step: torch initialises the state with a step at lr 0
+    state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if fresh:  # which must not count: the first real update would use step 2's bias correction
+        optimizer.state.clear()
+    return state
 
 
 def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -260,11 +264,21 @@ def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
 STOP = "__stop__"
 
 
+class OutOfStepError(RuntimeError):
+    """A collective trainer call refused because an earlier one failed at rank 0 (the processes
+    may be out of step; :func:`collective`)."""
+
+
 def collective(light: Any = None):
     """Mark a :class:`~conveyor.trainer.trainer.Trainer` method that every data-parallel process
     runs together: at rank 0 it first announces ``(name, args, kwargs)`` to the followers
     (``DataParallel.announce``; they run it in :func:`follow`), then runs. Without data
     parallelism (``self.dp`` None) or without an announcer it only runs.
+
+    A call that raised at rank 0 (other than a non-finite step, on which the processes agree)
+    may have left the followers inside a collective: every later collective call then raises
+    :class:`OutOfStepError` at once instead of pairing mismatched collectives (or waiting
+    ``trainer.collective_timeout_s``); the last checkpoint on disk is the one to resume.
 
     Args:
         light: Optional ``(args, kwargs) -> (args, kwargs)`` applied to what is broadcast (e.g.
@@ -276,10 +290,22 @@ def collective(light: Any = None):
         @functools.wraps(method)
         def run(self, *args, **kwargs):
             dp = getattr(self, "dp", None)
-            if dp is not None and dp.leader and dp.announce is not None:
-                a, k = light(args, kwargs) if light is not None else (args, kwargs)
-                dp.announce((method.__name__, a, k))
-            return method(self, *args, **kwargs)
+            if dp is None or not dp.leader or dp.announce is None:
+                return method(self, *args, **kwargs)
+            failed = getattr(self, "_out_of_step", None)
+            if failed is not None:
+                raise OutOfStepError(f"trainer.world_size={dp.world_size}: {method.__name__} refused, the trainer "
+                                     f"processes are out of step since {failed}; resume from the last checkpoint")
+            a, k = light(args, kwargs) if light is not None else (args, kwargs)
+            dp.announce((method.__name__, a, k))
+            try:
+                return method(self, *args, **kwargs)
+            except BaseException as e:
+                from conveyor.trainer.trainer import NonFiniteLossError
+
+                if not isinstance(e, NonFiniteLossError):
+                    self._out_of_step = f"{method.__name__} failed at rank 0 ({type(e).__name__}: {e})"
+                raise
 
         return run
 

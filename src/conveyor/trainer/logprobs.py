@@ -102,6 +102,18 @@ def _body_and_head(model: torch.nn.Module):
     return body, head
 
 
+def zero_loss(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """A scalar 0 whose backward pass reaches every parameter :func:`token_logprobs` uses (the
+    body on ``input_ids [R, L]`` and the head's weight), with nothing vocabulary-sized computed:
+    a micro-batch without loss tokens (its gradient is 0) still runs the passes a data-parallel
+    process must run in step with the others (:mod:`conveyor.trainer.distributed`)."""
+    body, head = _body_and_head(model)
+    hidden = body(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                  use_cache=False).last_hidden_state
+    return hidden.float().sum() * 0.0 + head.weight.float().sum() * 0.0
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,

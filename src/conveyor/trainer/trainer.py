@@ -24,6 +24,7 @@ from conveyor.config import (
     ProximalConfig,
     TrainConfig,
     TrainerConfig,
+    data_parallel_unsupported,
 )
 from conveyor.faults import fault_point
 from conveyor.hardware import resolve_bf16
@@ -44,7 +45,7 @@ from conveyor.trainer.batch import (
     unit_length,
     unit_members,
 )
-from conveyor.trainer.logprobs import ScoringSpec, token_logprobs
+from conveyor.trainer.logprobs import ScoringSpec, token_logprobs, zero_loss
 from conveyor.trainer.lora import inference_copy
 from conveyor.trainer.objectives import ObjectiveInputs, get_objective
 from conveyor.trainer.proximal import build_strategy
@@ -358,15 +359,7 @@ class Trainer:
     def _check_data_parallel(tc: TrainerConfig, lc: LossConfig, pc: ProximalConfig, lora_cfg: LoraConfig | None) -> None:
         """Refuse, naming the key, what ``trainer.world_size`` > 1 does not support yet: a critic,
         LoRA, several minibatches, proximal strategies that keep model copies."""
-        bad = []
-        if lc.advantage == "gae":
-            bad.append("loss.advantage=gae (the critic is not sharded yet)")
-        if lora_cfg is not None and lora_cfg.enabled:
-            bad.append("lora.enabled=true")
-        if tc.minibatches != 1:
-            bad.append(f"trainer.minibatches={tc.minibatches}")
-        if pc.method not in ("recompute", "behavior"):
-            bad.append(f"proximal.method={pc.method} (recompute and behavior only)")
+        bad = data_parallel_unsupported(tc, lc, pc, lora_cfg)
         if bad:
             raise ConfigError("trainer.world_size > 1 (FSDP2 data parallelism) does not support: " + "; ".join(bad))
 
@@ -454,8 +447,9 @@ class Trainer:
         trained model itself (full fine-tuning; callers copy it), or with LoRA a new copy with
         the adapters merged and no peft modules. With data parallelism: an unsharded model with
         the gathered weights at rank 0 (collective; None on other ranks; callers copy it)."""
-        if self.dp is not None:
-            return self._unsharded_policy()
+        if self.dp is not None:  # a copy: the twin is overwritten by every later gather
+            twin = self._unsharded_policy()
+            return copy.deepcopy(twin) if twin is not None else None
         return self.lora.inference_model() if self.lora is not None else self.model
 
     def engine_lora_base(self) -> dict[str, torch.Tensor] | None:
@@ -576,7 +570,7 @@ class Trainer:
             return StepBatch(trajectories, mbs, weights, denoms, padded=[False] * len(mbs), total_micro_batches=len(mbs))
         # data parallelism: every process packed the same batch; it keeps its share, padded with
         # zero-weight copies so every process runs as many passes (distributed.py)
-        mine = dp_lib.assign_micro_batches([mb.num_tokens for mb in mbs], self.dp.world_size)[self.dp.rank]
+        mine = dp_lib.assign_micro_batches([mb.input_ids.numel() for mb in mbs], self.dp.world_size)[self.dp.rank]
         n_pass = -(-len(mbs) // self.dp.world_size)
         smallest = min(range(len(mbs)), key=lambda j: mbs[j].input_ids.numel())
         pad = n_pass - len(mine)
@@ -894,8 +888,9 @@ class Trainer:
             for j in grp:
                 mb = mbs[j]
                 padded = bool(batch.padded[j]) if batch.padded else False
-                if padded:  # data parallelism: a zero-gradient pass that keeps the collectives in step
-                    self._padding_pass(mb)
+                if padded or mb.num_tokens == 0:  # no loss token (padding, or every response filtered)
+                    if self.dp is not None:  # a zero-gradient pass keeps the collectives in step
+                        self._padding_pass(mb)
                     continue
                 bonus = lc.entropy_coef > 0
                 lp, ent = self._logprobs(self.model, mb, with_entropy=bonus or scores.entropy[j] is None,
@@ -949,13 +944,14 @@ class Trainer:
         return up
 
     def _padding_pass(self, mb: PackedBatch) -> None:
-        """Data parallelism: a forward and backward pass of the policy with a zero loss on a
-        padding micro-batch (:func:`conveyor.trainer.distributed.padding_batch`), so this
-        process gathers and reduce-scatters every FSDP2 unit as often as the others."""
+        """Data parallelism: a forward and backward pass of the policy with a zero loss
+        (:func:`conveyor.trainer.logprobs.zero_loss`) on a micro-batch without loss tokens (a
+        padding copy, :func:`conveyor.trainer.distributed.padding_batch`, or one whose responses
+        were all filtered), so this process gathers and reduce-scatters every FSDP2 unit as often
+        as the others."""
         root = self._roots[id(self.model)]
         with self._autocast():
-            zero = root(lambda m, ids, pos: m(input_ids=ids, position_ids=pos, use_cache=False).logits.float().sum() * 0.0,
-                        mb.input_ids, mb.position_ids)
+            zero = root(zero_loss, mb.input_ids, mb.position_ids, attention_mask=mb.attention_mask)
         zero.backward()
 
     def _objective_inputs(self, mb: PackedBatch, lp: torch.Tensor, scores: Scores, j: int,
