@@ -99,13 +99,25 @@ def test_a_data_parallel_checkpoint_resumes_in_one_process(runs, tiny):
         assert _close_params(p.detach(), single["steps"][1]["params"][n]), (name, n)
 
 
-def test_a_single_process_checkpoint_is_refused_by_a_data_parallel_trainer(tiny):
+def test_a_single_process_optimizer_state_converts_to_the_by_name_format(tiny):
+    """What a data-parallel trainer does with a checkpoint written by one process: its
+    position-keyed AdamW state, renamed, loads back into a fresh trainer as the same state."""
+    from test_trainer import make_trajs
+
+    from conveyor.trainer.distributed import load_full_optimizer_state, optimizer_state_by_name
+
     tr = Trainer(copy.deepcopy(tiny.model), *trainer_kwargs({}))
-    state = tr.state_dict()
-    fake = Trainer.__new__(Trainer)  # only load_state_dict's format check runs before any collective
-    fake.lora, fake.dp, fake.model = None, DataParallel(0, 2), tr.model
-    with pytest.raises(ValueError, match="trainer.world_size=1"):
-        fake.load_state_dict(state)
+    tr.train_step(make_trajs(n=8, group=4, shared_prompts=True))
+    names = [n for n, p in tr.model.named_parameters() if p.requires_grad]
+    by_name = optimizer_state_by_name(copy.deepcopy(tr.optimizer.state_dict()), names)
+    assert set(by_name["state"]) == set(names) and by_name["param_groups"][0]["params"] == names
+    fresh = Trainer(copy.deepcopy(tiny.model), *trainer_kwargs({}))
+    load_full_optimizer_state(fresh.model, fresh.optimizer, by_name)
+    for (n, p), (_, q) in zip(tr.model.named_parameters(), fresh.model.named_parameters(), strict=True):
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(tr.optimizer.state[p][k], fresh.optimizer.state[q][k]), (n, k)
+    with pytest.raises(ValueError, match="another model"):
+        optimizer_state_by_name(tr.optimizer.state_dict(), names[:3])
 
 
 @pytest.mark.parametrize("loss_kw, trainer_kw, proximal, lora, needle", [
@@ -142,7 +154,7 @@ def test_conveyor_train_with_two_trainer_processes_runs_resumes_and_cleans_up(tm
     """The inline runtime with trainer.world_size=2: rank 0 is this process, rank 1 a spawned
     follower; the run trains, checkpoints, evaluates with the gathered weights, stops its
     follower; its checkpoints resume with two processes and with ONE (the optimizer state is
-    keyed by name)."""
+    keyed by name, and a checkpoint one process wrote converts)."""
     import json
     import multiprocessing
 
@@ -158,13 +170,17 @@ def test_conveyor_train_with_two_trainer_processes_runs_resumes_and_cleans_up(tm
     assert torch.load(run / "checkpoints" / "step_2" / "trainer.pt", weights_only=False)["optimizer_format"] == "by_name"
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     assert [e["version"] for e in events if e["event"] == "eval"] == [2]  # the after-evaluation ran
-    # resumed by two processes (rank 0 reads the checkpoint and broadcasts it), then by one
+    # resumed by two processes (rank 0 reads the checkpoint and broadcasts it), then by one, then
+    # by two from the checkpoint one process wrote
     res = run_training(load_run_config(run, ["trainer.total_steps=4"]), resume_dir=run)
     assert res.steps == 4 and (run / "checkpoints" / "step_4").is_dir()
     res = run_training(load_run_config(run, ["trainer.total_steps=5", "trainer.world_size=1"]), resume_dir=run)
     assert res.steps == 5
+    assert "optimizer_format" not in torch.load(run / "checkpoints" / "step_5" / "trainer.pt", weights_only=False)
+    res = run_training(load_run_config(run, ["trainer.total_steps=6", "trainer.world_size=2"]), resume_dir=run)
+    assert res.steps == 6
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("conveyor-trainer")]
 
 

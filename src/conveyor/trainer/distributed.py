@@ -247,6 +247,28 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     return state
 
 
+def optimizer_state_by_name(state: dict, names: list[str]) -> dict:
+    """A torch ``optimizer.state_dict()`` (keyed by parameter position) in the by-name format of
+    :func:`full_optimizer_state`.
+
+    Args:
+        state: ``{"state": {i: {...}}, "param_groups": [{..., "params": [i, ...]}]}``.
+        names: The name of the optimizer's parameter ``i`` at position ``i`` (its order of
+            ``model.named_parameters()`` that require grad, as :meth:`Updater.adamw` builds it).
+
+    Raises:
+        ValueError: the state holds a position that ``names`` does not.
+    """
+    def name(i: int) -> str:
+        if not 0 <= int(i) < len(names):
+            raise ValueError(f"optimizer state: parameter {i} of a model with {len(names)} trained parameters; "
+                             "the checkpoint is of another model")
+        return names[int(i)]
+
+    return {"state": {name(i): dict(v) for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [name(i) for i in g["params"]]} for g in state["param_groups"]]}
+
+
 def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     """Load :func:`full_optimizer_state` output (read at rank 0; broadcast when distributed)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

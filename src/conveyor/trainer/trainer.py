@@ -617,6 +617,10 @@ class Trainer:
                         scores.values[j], scores.value_std[j] = mean * resp, std * resp
                         scores.critic_values[j] = each  # [N, R, L]: each critic's own (value clipping)
                     scores.value_seconds += time.perf_counter() - t_v
+        if self.ref_model is not None and id(self.ref_model) in self._roots:
+            # FSDP2 keeps a root's parameters gathered after its forward (for the backward pass,
+            # which the frozen reference never has): free the reference's (embeddings, head)
+            self._roots[id(self.ref_model)].reshard()
         return scores
 
     def assign_advantages(self, batch: StepBatch, scores: Scores) -> None:
@@ -1080,26 +1084,27 @@ class Trainer:
 
         Raises:
             ValueError: a LoRA checkpoint into a fully fine-tuned policy or the reverse, or an
-                adapter of another shape; a checkpoint without the critic(s) this run has; a
-                single-process checkpoint into a data-parallel trainer (its optimizer state is
-                keyed by parameter ids; the reverse works).
+                adapter of another shape; a checkpoint without the critic(s) this run has. A
+                checkpoint of any ``trainer.world_size`` loads into any other.
         """
         if (self.lora is not None) != ("lora" in state):
             raise ValueError("the checkpoint holds " + ("a LoRA adapter (lora.enabled=true)" if "lora" in state else
                                                         "a fully fine-tuned policy (lora.enabled=false)")
                              + "; resume it with the same lora.enabled")
         by_name = state.get("optimizer_format") == "by_name"
-        if self.dp is not None and not by_name:
-            raise ValueError("the checkpoint was written by one trainer process; resume it with trainer.world_size=1 "
-                             "(its optimizer state is keyed by parameter ids)")
         if self.lora is not None:
             self.lora.load_adapter_state(state["model"])
         elif self.dp is not None:  # collective; rank 0's state is broadcast (followers get none)
             dp_lib.load_full_model_state(self.model, state.get("model", {}))
         else:
             self.model.load_state_dict(state["model"])
-        if by_name:  # written with data parallelism: loads into any number of processes
-            dp_lib.load_full_optimizer_state(self.model, self.optimizer, state.get("optimizer", {}))
+        if self.dp is not None:  # collective; rank 0's state is broadcast (followers get none)
+            opt = state.get("optimizer", {})
+            if self.dp.leader and not by_name:  # written by one process: keyed by parameter position
+                opt = dp_lib.optimizer_state_by_name(opt, [n for n, p in self.model.named_parameters() if p.requires_grad])
+            dp_lib.load_full_optimizer_state(self.model, self.optimizer, opt)
+        elif by_name:  # written with data parallelism
+            dp_lib.load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
