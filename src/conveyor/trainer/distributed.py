@@ -175,7 +175,8 @@ def assign_micro_batches(tokens: list[int], world_size: int) -> list[list[int]]:
     most one, made equal by :func:`padding_batch`).
 
     Args:
-        tokens: Tokens per micro-batch (the cost). world_size: Processes.
+        tokens: The cost of each micro-batch in tokens (the trainer passes its padded size,
+            ``input_ids.numel()``: what the forward pass runs on). world_size: Processes.
 
     Returns:
         ``[W]`` lists of micro-batch indices, each in ascending order; deterministic.
