@@ -276,7 +276,7 @@ BASE = [
 
 def test_two_step_lora_run_exports_adapter_and_merged_model_and_resumes(tmp_path, tiny, monkeypatch):
     import conveyor.runtime.inline as inline
-    import conveyor.train as train_mod
+    import conveyor.trainer.trainer as trainer_mod
     from conveyor.models import load_model
     from conveyor.train import load_run_config, run_training
 
@@ -292,7 +292,7 @@ def test_two_step_lora_run_exports_adapter_and_merged_model_and_resumes(tmp_path
             super().__init__(*a, **k)
             seen["engine"].append(self)
 
-    monkeypatch.setattr(train_mod, "Trainer", RecTrainer)
+    monkeypatch.setattr(trainer_mod, "Trainer", RecTrainer)  # what build_trainer constructs
     monkeypatch.setattr(inline, "InferenceEngine", RecEngine)
     run = tmp_path / "r"
     # a reward that varies within a group (the response length): non-zero advantages, so the adapters move
