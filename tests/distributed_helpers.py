@@ -41,38 +41,46 @@ def snapshot(trainer, model) -> dict:
     return {"grads": grads, "params": params}
 
 
-def run_rank(rank: int, world: int, port: int, out_dir: str, case: dict) -> None:
-    """One process of the group: two train steps, a checkpoint after the first; rank 0 saves what
-    it saw (metrics, full gradients and parameters, the weight update, the checkpoint)."""
+def run_rank(rank: int, world: int, port: int, out_dir: str, cases: dict[str, dict]) -> None:
+    """One process of the group, for each case in turn (one process group for all: the start-up
+    is paid once): two train steps with a fresh trainer, a checkpoint after the first; rank 0
+    saves what it saw (metrics, full gradients and parameters, the weight update, the
+    checkpoint) to ``out_dir/<case>.pt``."""
     torch.set_num_threads(1)
-    from conveyor.config import ProximalConfig
-    from conveyor.models import load_model
     from conveyor.trainer.distributed import init_process_group
-    from conveyor.trainer.trainer import Trainer
 
     dp = init_process_group(rank, world, port=port, timeout_s=300)
     try:
-        model = load_model("tiny", seed=0).model
-        tc, lc = trainer_kwargs(case)
-        tr = Trainer(model, tc, lc, temperature=0.9, proximal_cfg=ProximalConfig(), data_parallel=dp)
-        seen = []
-        ckpt = policy = None
-        for step, batch in enumerate(batches(lambda s: s, case)):
-            m = tr.train_step(batch)
-            snap = snapshot(tr, model)
-            wu = tr.weight_update()
-            seen.append({"metrics": m, **snap, "weights": wu.tensors if wu is not None else None})
-            if step == 0:
-                ckpt = copy.deepcopy(tr.state_dict())  # like a checkpoint written at once (it references live tensors)
-                policy = tr.inference_policy()  # e.g. the engine's model: must not change with later gathers
-        if rank == 0:
-            kept = {n: t.detach().clone() for n, t in policy.named_parameters()}
-            torch.save({"steps": seen, "checkpoint": ckpt, "version": tr.version, "policy_after_step_1": kept},
-                       Path(out_dir) / "rank0.pt")
+        for name, case in cases.items():
+            _run_case(rank, dp, Path(out_dir) / f"{name}.pt", case)
     finally:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+
+
+def _run_case(rank: int, dp, out: Path, case: dict) -> None:
+    """One case of :func:`run_rank` in this process."""
+    from conveyor.config import ProximalConfig
+    from conveyor.models import load_model
+    from conveyor.trainer.trainer import Trainer
+
+    model = load_model("tiny", seed=0).model
+    tc, lc = trainer_kwargs(case)
+    tr = Trainer(model, tc, lc, temperature=0.9, proximal_cfg=ProximalConfig(), data_parallel=dp)
+    seen = []
+    ckpt = policy = None
+    for step, batch in enumerate(batches(lambda s: s, case)):
+        m = tr.train_step(batch)
+        snap = snapshot(tr, model)
+        wu = tr.weight_update()
+        seen.append({"metrics": m, **snap, "weights": wu.tensors if wu is not None else None})
+        if step == 0:
+            ckpt = copy.deepcopy(tr.state_dict())  # like a checkpoint written at once (it references live tensors)
+            policy = tr.inference_policy()  # e.g. the engine's model: must not change with later gathers
+    if rank == 0:
+        kept = {n: t.detach().clone() for n, t in policy.named_parameters()}
+        torch.save({"steps": seen, "checkpoint": ckpt, "version": tr.version, "policy_after_step_1": kept}, out)
 
 
 def run_single(case: dict, model0) -> dict:

@@ -40,12 +40,18 @@ def _close_params(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a, b, rtol=1e-4, atol=5e-5)
 
 
+@pytest.fixture(scope="module")
+def group_out(tmp_path_factory):
+    """Every case run by one group of two processes (rank 0's records, one file per case)."""
+    out = tmp_path_factory.mktemp("dp")
+    mp.spawn(run_rank, args=(2, free_port(), str(out), CASES), nprocs=2, join=True)
+    return out
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
-def runs(request, tmp_path_factory, tiny):
+def runs(request, group_out, tiny):
     case = CASES[request.param]
-    out = tmp_path_factory.mktemp(request.param)
-    mp.spawn(run_rank, args=(2, free_port(), str(out), case), nprocs=2, join=True)
-    dp = torch.load(out / "rank0.pt", weights_only=False)
+    dp = torch.load(group_out / f"{request.param}.pt", weights_only=False)
     return request.param, case, dp, run_single(case, tiny.model)
 
 
@@ -153,8 +159,8 @@ E2E = [
 def test_conveyor_train_with_two_trainer_processes_runs_resumes_and_cleans_up(tmp_path):
     """The inline runtime with trainer.world_size=2: rank 0 is this process, rank 1 a spawned
     follower; the run trains, checkpoints, evaluates with the gathered weights, stops its
-    follower; its checkpoints resume with two processes and with ONE (the optimizer state is
-    keyed by name, and a checkpoint one process wrote converts)."""
+    follower; its checkpoint resumes with ONE process (the optimizer state is keyed by name), and
+    that process's checkpoint with two again (rank 0 renames its position-keyed state)."""
     import json
     import multiprocessing
 
@@ -170,17 +176,15 @@ def test_conveyor_train_with_two_trainer_processes_runs_resumes_and_cleans_up(tm
     assert torch.load(run / "checkpoints" / "step_2" / "trainer.pt", weights_only=False)["optimizer_format"] == "by_name"
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     assert [e["version"] for e in events if e["event"] == "eval"] == [2]  # the after-evaluation ran
-    # resumed by two processes (rank 0 reads the checkpoint and broadcasts it), then by one, then
-    # by two from the checkpoint one process wrote
-    res = run_training(load_run_config(run, ["trainer.total_steps=4"]), resume_dir=run)
+    # resumed by one process, then by two from the checkpoint one process wrote (rank 0 reads
+    # it, renames its optimizer state and broadcasts it)
+    res = run_training(load_run_config(run, ["trainer.total_steps=3", "trainer.world_size=1"]), resume_dir=run)
+    assert res.steps == 3
+    assert "optimizer_format" not in torch.load(run / "checkpoints" / "step_3" / "trainer.pt", weights_only=False)
+    res = run_training(load_run_config(run, ["trainer.total_steps=4", "trainer.world_size=2"]), resume_dir=run)
     assert res.steps == 4 and (run / "checkpoints" / "step_4").is_dir()
-    res = run_training(load_run_config(run, ["trainer.total_steps=5", "trainer.world_size=1"]), resume_dir=run)
-    assert res.steps == 5
-    assert "optimizer_format" not in torch.load(run / "checkpoints" / "step_5" / "trainer.pt", weights_only=False)
-    res = run_training(load_run_config(run, ["trainer.total_steps=6", "trainer.world_size=2"]), resume_dir=run)
-    assert res.steps == 6
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("conveyor-trainer")]
 
 
