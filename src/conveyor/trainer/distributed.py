@@ -57,14 +57,6 @@ class DataParallel:
         """Whether this is rank 0."""
         return self.rank == 0
 
-    @classmethod
-    def current(cls) -> DataParallel | None:
-        """The initialised default process group as a :class:`DataParallel`; None when
-        torch.distributed is not initialised or has one process."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-            return None
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size())
-
 
 def default_backend(device: str = "cpu") -> str:
     """``nccl`` for CUDA devices, ``gloo`` otherwise (the CPU's only backend with the collectives
