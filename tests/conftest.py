@@ -24,3 +24,29 @@ def smollm():
     from conveyor.models import load_model
 
     return load_model("smollm2-135m-instruct")
+
+
+def _benchmark_items(items):
+    return [i for i in items if getattr(i, "module", None) is not None and i.module.__name__.endswith("test_benchmarks")]
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection
+def pytest_collection_modifyitems(session, config, items):
+    """The benchmark smoke tests (tests/test_benchmarks.py) run last."""
+    bench = _benchmark_items(items)
+    items[:] = [i for i in items if i not in bench] + bench
+
+
+def pytest_collection_finish(session):
+    """Start the selected benchmark smoke tests' scripts now, at nice 19, so they use the cores the
+    other tests leave idle (tests/test_benchmarks.py's docstring)."""
+    bench = _benchmark_items(session.items)
+    if bench and not session.config.option.collectonly:
+        bench[0].module.start_scripts({i.originalname for i in bench})
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Kill benchmark scripts still running (an interrupted or failed session) and clean up."""
+    for item in _benchmark_items(getattr(session, "items", [])):
+        item.module.stop_scripts()
+        break
