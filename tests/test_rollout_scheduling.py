@@ -389,3 +389,38 @@ def test_an_episode_failing_past_the_workflow_stops_the_run_and_is_never_waited_
         c.stop()
     assert isinstance(c.error, RuntimeError) and "expected group_size=2" in str(c.error)
     assert c.expiring_inflight(0) == 0
+
+
+def test_a_batch_that_is_not_complete_yet_is_not_an_expiring_wait():
+    """eta = 0 (synchronous): every group of the step is in flight and "expiring" while the batch
+    fills, but nothing is held back, so no expiring wait is counted (and no expiring_wait_s
+    clock runs); a batch held back for a straggler at eta = 1 still is one."""
+    import time
+
+    samples = [Sample(str(i), "q", "1", "t") for i in range(8)]
+    staleness = StalenessManager(batch_size=2, eta=0, max_concurrent=64)
+    buf = TrajectoryBuffer(0, on_drop=staleness.on_drop)
+    gate, ref = threading.Event(), []
+
+    class Slow(VersionedWorkflow):  # every episode takes a while: the batch is incomplete at first
+        async def run_episode(self, engine, sample):
+            await asyncio.sleep(0.2)
+            return await super().run_episode(engine, sample)
+
+    gate.set()
+    c = RolloutController(RecordingEngine(False), Slow(ref, gate), DataStream(samples, seed=0),
+                          staleness, buf, group_size=2, wait_for_expiring=True, expiring_wait_s=0.05)
+    ref.append(c)
+    stop = threading.Event()
+    c.start()
+    try:
+        for v in range(3):
+            c.set_version(v)
+            t0 = time.monotonic()
+            assert wait_for_batch(buf, 2, lambda v=v: v, stop=stop, take=c.take_batch, poll_s=0.01) is not None
+            assert time.monotonic() - t0 >= 0.1  # it did wait for the slow episode
+        counters = c.counters()
+        assert counters["rollout/expiring_waits"] == 0 and counters["rollout/expiring_wait_timeouts"] == 0
+    finally:
+        stop.set()
+        c.stop()

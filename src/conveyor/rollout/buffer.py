@@ -81,6 +81,7 @@ class TrajectoryBuffer:
         self._seq = 0
         self._dropped_log: list[dict] = []  # groups dropped as stale, not yet taken
         self._size = 0
+        self.last_held_back = False  # the last get_batch held a complete batch back (pending_expiring)
         self._stats = {
             "put_groups": 0,
             "put_trajectories": 0,
@@ -184,7 +185,9 @@ class TrajectoryBuffer:
         buffered groups that expire now (age ``<= current_version - eta``), nothing is handed
         out (None): the caller waits for them instead of filling the batch with younger groups
         and dropping the stragglers at the next version. When they cannot fit, the batch is
-        formed as usual (waiting could not save them all).
+        formed as usual (waiting could not save them all). ``last_held_back`` tells whether
+        this call held back a batch that could have formed otherwise (the controller times and
+        counts only those waits).
 
         Args:
             n_trajectories: Batch size in trajectories (>= 1).
@@ -210,6 +213,8 @@ class TrajectoryBuffer:
                 last = current_version - self._eta  # groups of this age expire after this batch
                 expiring = sum(len(g) for age, _, g in self._groups if age <= last)
                 wait = expiring + pending_expiring <= n_trajectories
+            # a batch could have formed but waits for the expiring groups (the controller times it)
+            self.last_held_back = bool(wait and self._size >= n_trajectories)
             if self._size >= n_trajectories and not wait:
                 for idx, (_, _, group) in enumerate(self._groups):
                     if total + len(group) <= n_trajectories:

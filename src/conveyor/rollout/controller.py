@@ -298,7 +298,10 @@ class RolloutController:
             pending = 0  # waited long enough: form the batch as usual
         batch = self.buffer.get_batch(n, version, pending_expiring=pending)
         if batch is None:
-            if pending and holding is None:  # from now on this version's batch waits for them
+            # from now on this version's batch waits for them (only when it was held back: a batch
+            # that is merely not complete yet, e.g. every group of a synchronous step in flight,
+            # is neither a wait nor on the expiring_wait_s clock)
+            if pending and holding is None and self.buffer.last_held_back:
                 self._holding = (version, time.monotonic())
             return None
         if holding is not None:  # this batch waited while expiring groups were in flight
