@@ -27,7 +27,8 @@ def smollm():
 
 
 def _benchmark_items(items):
-    return [i for i in items if getattr(i, "module", None) is not None and i.module.__name__.endswith("test_benchmarks")]
+    """The items of tests/test_benchmarks.py."""
+    return [i for i in items if getattr(i, "module", None) is not None and i.module.__name__.split(".")[-1] == "test_benchmarks"]
 
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection
@@ -37,11 +38,16 @@ def pytest_collection_modifyitems(session, config, items):
     items[:] = [i for i in items if i not in bench] + bench
 
 
-def pytest_collection_finish(session):
-    """Start the selected benchmark smoke tests' scripts now, at nice 19, so they use the cores the
-    other tests leave idle (tests/test_benchmarks.py's docstring)."""
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """Start the selected benchmark smoke tests' scripts as the tests start to run, at nice 19,
+    so they use the cores the other tests leave idle (tests/test_benchmarks.py's docstring). Not
+    for runs that execute no test (``--collect-only``, ``--setup-plan``, ``--setup-only``)."""
+    opt = session.config.option
+    if opt.collectonly or getattr(opt, "setupplan", False) or getattr(opt, "setuponly", False):
+        return
     bench = _benchmark_items(session.items)
-    if bench and not session.config.option.collectonly:
+    if bench:
         bench[0].module.start_scripts({i.originalname for i in bench})
 
 

@@ -4,11 +4,13 @@ The figures themselves are measured by the full runs and recorded under docs/res
 only check that each script runs end to end on the tiny model and that its output is consistent.
 
 The scripts run as subprocesses, two at a time (longest first) and at the lowest CPU priority
-(nice 19), started when the session's tests are collected (``tests/conftest.py`` calls
+(nice 19), started as the session's test loop starts (``tests/conftest.py`` calls
 :func:`start_scripts`; this module's tests run last): they use the cores the rest of the suite
 leaves idle (Ray start-up, process start-up, waits; ~45% of two cores during the Ray tests) and
-this module's tests then wait for their results. Only the scripts of the selected tests run
-(``-k`` picks one, it runs one).
+this module's tests then wait for their results (the suite: 18:40 -> 12:46 on the 2-core VM).
+Only the scripts of the selected tests run (``-k`` picks one, it runs one). Each script runs in
+a process group of its own, killed with everything it started when the session ends early.
+Not made for pytest-xdist (each worker would start the scripts).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -50,48 +53,64 @@ SCRIPTS: dict[str, tuple[str, list[str]]] = {
 }
 
 
-_PROCS: list[subprocess.Popen] = []  # started scripts (killed by stop_scripts if still running)
+_PROCS: list[subprocess.Popen] = []  # started scripts (process-group leaders; killed by stop_scripts)
 _LOCK = threading.Lock()
-_STARTED: dict = {}  # "futures" (test -> Future of its CompletedProcess), "out", "pool"
+_STARTED: dict = {}  # "futures" (test -> Future of its CompletedProcess), "out", "pool"; "stopped"
+SCRIPT_TIMEOUT_S = 2400  # from the start, which may be starved (nice 19) while the other tests run
 
 
-def _launch(script: str, args: list[str]) -> subprocess.CompletedProcess:
+def _kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL a script and everything it started (its own process group)."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _launch(script: str, args: list[str], out: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     # nice 19: idle cores only while other tests run (coreutils' nice: a preexec_fn can deadlock in threads)
     cmd = ["nice", "-n", "19", sys.executable, str(ROOT / "benchmarks" / script), "--quick", *args]
+    # output to files, not pipes: a child the script started keeps no reader of ours waiting
+    stdout, stderr = out / f"{script}.stdout", out / f"{script}.stderr"
     with _LOCK:
         if _STARTED.get("stopped"):
             raise RuntimeError("the test session ended before this script started")
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        with open(stdout, "w") as fo, open(stderr, "w") as fe:
+            p = subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True, env=env, cwd=ROOT, start_new_session=True)
         _PROCS.append(p)
+    note = ""
     try:
-        out, err = p.communicate(timeout=1500)
+        p.wait(timeout=SCRIPT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        p.kill()
-        out, err = p.communicate()
-        err += f"\n(killed after 1500 s: {' '.join(cmd)})"
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+        _kill_group(p)
+        p.wait()
+        note = f"\n(killed after {SCRIPT_TIMEOUT_S} s: {' '.join(cmd)})"
+    return subprocess.CompletedProcess(cmd, p.returncode, stdout.read_text(errors="replace"),
+                                       stderr.read_text(errors="replace") + note)
 
 
 def start_scripts(selected: set[str]) -> None:
-    """Start the scripts of the ``selected`` test names (no-op if none or already started)."""
+    """Start the scripts of the ``selected`` test names in the background (no-op if none, or
+    if already started). ``runtime_overhead.py`` only where Ray is installed (its test skips)."""
     todo = [t for t in SCRIPTS if t in selected
             and not (SCRIPTS[t][0] == "runtime_overhead.py" and importlib.util.find_spec("ray") is None)]
     if not todo or _STARTED:
         return
     out = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
     pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="bench")
-    futures = {t: pool.submit(_launch, SCRIPTS[t][0], [a.format(out=out) for a in SCRIPTS[t][1]]) for t in todo}
+    futures = {t: pool.submit(_launch, SCRIPTS[t][0], [a.format(out=out) for a in SCRIPTS[t][1]], out) for t in todo}
     _STARTED.update(futures=futures, out=out, pool=pool)
 
 
 def stop_scripts() -> None:
-    """End of the session: kill scripts still running, remove the scratch directory."""
+    """Kill the scripts still running (with everything they started), wait for the pool, remove
+    the scratch directory. Idempotent; no script starts afterwards."""
     with _LOCK:
         _STARTED["stopped"] = True
         for p in _PROCS:
             if p.poll() is None:
-                p.kill()
+                _kill_group(p)
     if "pool" in _STARTED:
         _STARTED["pool"].shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(_STARTED["out"], ignore_errors=True)
@@ -99,11 +118,12 @@ def stop_scripts() -> None:
 
 @pytest.fixture(scope="module")
 def quick(request):
-    """``(futures, out)``: each selected test's script (its completed process, a Future), and the
-    scratch directory its ``{out}`` arguments point into. Started at collection (conftest); here
-    too when this module is run some other way."""
+    """``(futures, out)``: each selected test's script (a Future of its completed process), and
+    the scratch directory its ``{out}`` arguments point into. Started when the test loop starts
+    (conftest); here if the conftest hooks did not run. Stopped after this module."""
     start_scripts({item.originalname for item in request.session.items if getattr(item, "module", None) is request.module})
-    return _STARTED["futures"], _STARTED["out"]
+    yield _STARTED.get("futures", {}), _STARTED.get("out")
+    stop_scripts()
 
 
 def _run(quick, test: str) -> dict:
