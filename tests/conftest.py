@@ -46,6 +46,8 @@ def pytest_runtestloop(session):
     opt = session.config.option
     if opt.collectonly or getattr(opt, "setupplan", False) or getattr(opt, "setuponly", False):
         return
+    if session.testsfailed and not opt.continue_on_collection_errors:
+        return  # pytest stops before the first test (collection errors)
     bench = _benchmark_items(session.items)
     if bench:
         bench[0].module.start_scripts({i.originalname for i in bench})
