@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
         "run.export=false", "run.progress=false", "run.checkpoint_every=1000", "trainer.warmup_steps=0",
         # the settings these figures were measured with (the main job's defaults before the calculator)
         "rollout.group_size=4", "rollout.temperature=0.7", "reward.fn=math", "loss.kl_coef=0", "rollout.tool=none",
+        "async.wait_for_expiring=false",  # the plain hand-out these figures (and the simulator) assume
         "trainer.lr=1e-5",
     ]
     from conveyor.simulate import calibrate, simulate

@@ -133,6 +133,7 @@ def _runtime_rows(args, etas: list[int], one: int | None) -> list[dict]:
                 cmd = [sys.executable, "-m", "conveyor.cli", "train", f"model.name={args.runtime_model}",
                        f"trainer.total_steps={args.runtime_steps}", "trainer.batch_size=4", "rollout.group_size=4",
                        "rollout.max_new_tokens=32", f"async.eta={eta}", f"proximal.method={method}", "rollout.tool=none",
+                       "async.wait_for_expiring=false",  # as recorded
                        "run.eval_before=false", "run.eval_after=false", "run.export=false", "run.progress=false",
                        "run.checkpoint_every=1000", f"run.dir={run}"]
                 p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))

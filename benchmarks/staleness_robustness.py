@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     common = [f"model.name={args.model}", f"trainer.total_steps={args.steps}", f"trainer.batch_size={args.batch_size}", f"rollout.group_size={args.group_size}",
               "rollout.max_new_tokens=32", "reward.fn=format", f"trainer.lr={args.lr}", "trainer.warmup_steps=0",
               "trainer.num_threads=1", "rollout.engine_threads=1", "rollout.temperature=0.7",
-              "rollout.tool=none", "loss.kl_coef=0",
+              "rollout.tool=none", "loss.kl_coef=0", "async.wait_for_expiring=false",  # as recorded (proximal.md)
               "run.eval_before=false", f"run.eval_after={'true' if args.heldout else 'false'}",
               f"data.heldout_limit={max(1, args.heldout)}", "run.eval_max_new_tokens=32", "run.export=false", "run.progress=false",
               "run.checkpoint_every=1000"]

@@ -7,7 +7,7 @@ set -u
 SEEDS=${1:-0}
 OUT=${2:-runs/main_job}
 mkdir -p "$OUT"
-BEFORE="rollout.prefix_cache_tokens=0"
+BEFORE="rollout.prefix_cache_tokens=0 async.wait_for_expiring=false"  # the defaults before issue 16
 AFTER="rollout.engine_dtype=auto rollout.priority=oldest_first async.wait_for_expiring=true"
 for seed in $SEEDS; do
   for arm in before after; do

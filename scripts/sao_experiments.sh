@@ -3,7 +3,9 @@
 # singleop), issue 11 section 5. Every run samples 800 responses: 16 per update; SAO and VAPO-style
 # runs spend 10 x 16 of them on the critic warm-up and take 40 policy updates, the group runs take
 # 50. Held-out accuracy (greedy, 110 problems) before, every 10 versions and after. Runs are
-# sequential (one 2-core machine: wall-clock comparable) and land in docs/results/runs/sao/.
+# sequential (one 2-core machine: wall-clock comparable) and land in docs/results/runs/sao/. The runs so far
+# were made with the plain hand-out (async.wait_for_expiring=false, the default then): pinned so that
+# new runs stay comparable.
 #   bash scripts/sao_experiments.sh "0 1" "sao grpo grpo_dis"      # seeds, presets
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +24,7 @@ for seed in $SEEDS; do
     echo "== $p seed $seed -> $dir ($(date -u +%H:%M:%S))"
     .venv/bin/conveyor train "configs/$p.yaml" trainer.total_steps=$steps run.seed=$seed data.shuffle_seed=$seed \
       run.eval_every=10 run.checkpoint_every=1000 run.final_checkpoint=none run.export=false run.progress=false \
-      run.dir="$dir" $EXTRA > "$dir.log" 2>&1 || echo "FAILED $p seed $seed (see $dir.log)"
+      async.wait_for_expiring=false run.dir="$dir" $EXTRA > "$dir.log" 2>&1 || echo "FAILED $p seed $seed (see $dir.log)"
     rm -rf "$dir/checkpoints"
     mv "$dir.log" "$dir/console.log" 2>/dev/null || true
   done

@@ -213,9 +213,11 @@ class AsyncConfig(_Strict):
     variance_threshold: float = Field(default=0.15, ge=0, description="adaptive: batch reward variance above which "
                                                                       "the ratio moves toward on-policy")
     wait_for_expiring: bool = Field(
-        default=False, description="deadline-aware hand-out: a batch waits for groups still in flight that were "
-                                   "admitted eta versions ago (it is their last chance) instead of filling up with "
-                                   "younger groups and dropping the stragglers as stale at the next version")
+        default=True, description="deadline-aware hand-out: a batch waits for groups still in flight that were "
+                                  "admitted eta versions ago (it is their last chance) instead of filling up with "
+                                  "younger groups and dropping the stragglers as stale at the next version "
+                                  "(default since issue 16: no drops against 7-8% on the main job, "
+                                  "docs/results/main_job.md section 9; false: AReaL's plain hand-out)")
     expiring_wait_s: float = Field(
         default=300.0, ge=0, description="wait_for_expiring: the longest a batch is held back for expiring groups "
                                          "(s); then it is formed as usual (counted in rollout/expiring_wait_timeouts)")
