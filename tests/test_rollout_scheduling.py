@@ -394,7 +394,7 @@ def test_an_episode_failing_past_the_workflow_stops_the_run_and_is_never_waited_
 def test_a_batch_that_is_not_complete_yet_is_not_an_expiring_wait():
     """eta = 0 (synchronous): every group of the step is in flight and "expiring" while the batch
     fills, but nothing is held back, so no expiring wait is counted (and no expiring_wait_s
-    clock runs); a batch held back for a straggler at eta = 1 still is one."""
+    clock runs). A batch held back for a straggler still is one (the test above)."""
     import time
 
     samples = [Sample(str(i), "q", "1", "t") for i in range(8)]
