@@ -1098,15 +1098,13 @@ class Trainer:
             dp_lib.load_full_model_state(self.model, state.get("model", {}))
         else:
             self.model.load_state_dict(state["model"])
-        if self.dp is not None:  # collective; rank 0's state is broadcast (followers get none)
-            opt = state.get("optimizer", {})
-            if self.dp.leader and not by_name:  # written by one process: keyed by parameter position
+        if self.dp is None and not by_name:  # one process, its own format
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:  # by name; collective with data parallelism (rank 0's state is broadcast, followers get none)
+            opt = state.get("optimizer", {}) if self.dp is not None else state["optimizer"]
+            if self.dp is not None and self.dp.leader and not by_name:  # one process wrote it: keyed by position
                 opt = dp_lib.optimizer_state_by_name(opt, [n for n, p in self.model.named_parameters() if p.requires_grad])
             dp_lib.load_full_optimizer_state(self.model, self.optimizer, opt)
-        elif by_name:  # written with data parallelism
-            dp_lib.load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
