@@ -50,6 +50,7 @@ SCRIPTS: dict[str, tuple[str, list[str]]] = {
     "test_weight_sync_benchmark_quick": ("weight_sync.py", []),  # ~10 s
     "test_fsdp_benchmark_quick": ("fsdp.py", ["--json", "{out}/fsdp.json"]),  # ~25 s
     "test_lora_benchmark_quick": ("lora.py", ["--json", "{out}/lora.json"]),  # ~9 s
+    "test_engine_scaling_benchmark_quick": ("engine_scaling.py", ["--json", "{out}/scaling.json"]),  # ~40 s
 }
 
 
@@ -325,3 +326,15 @@ def test_fsdp_benchmark_quick(quick):
     assert r["ratios"]["optimizer_state_bytes_per_process"] == pytest.approx(0.5, abs=0.001)
     assert r["ratios"]["step_s"] == pytest.approx(fsdp["rank0"]["step_s"] / single["rank0"]["step_s"])
     assert fsdp["rank0"]["weight_gather_s"] > 0
+
+
+def test_engine_scaling_benchmark_quick(quick):
+    r = _run(quick, "test_engine_scaling_benchmark_quick")
+    assert json.loads((quick[1] / "scaling.json").read_text()) == r
+    assert r["runtime"] == "inline" and [x["engines"] for x in r["runs"]] == [1, 2]
+    one, two = r["runs"]
+    assert len(one["per_engine_tokens"]) == 1 and len(two["per_engine_tokens"]) == 2 and min(two["per_engine_tokens"]) > 0
+    assert r["updates_per_s_over_1_engine"]["2"] == pytest.approx(one["s_per_update"] / two["s_per_update"])
+    cluster = r["predicted"]["cluster"]
+    assert set(cluster) == {"1", "8", "64"} and cluster["1"]["efficiency_per_node"] == pytest.approx(1.0)
+    assert cluster["64"]["trajectories_per_s"] > cluster["8"]["trajectories_per_s"] > cluster["1"]["trajectories_per_s"]

@@ -246,6 +246,36 @@ def test_a_dead_actor_is_restarted_and_the_run_finishes_without_losing_or_repeat
     assert wait_cpus_free() >= 2
 
 
+def test_two_engines_share_the_rollouts_and_a_killed_engine_actor_is_replaced(tmp_path, cluster, monkeypatch):
+    # rollout.num_engines=2: engine 0 in the rollout actor, engine 1 an engine actor (1 CPU each:
+    # the module's 2-CPU cluster is full); the engine actor is SIGKILLed at its 30th decode step
+    # (the first one only), replaced at the newest weights, and its requests run again elsewhere
+    monkeypatch.setenv("CONVEYOR_ENGINE_ACTOR_FAULTS", "kill@generate#30")
+    run = tmp_path / "r"
+    cfg = load_config(None, BASE + RAY + NO_EVAL + ["trainer.total_steps=4", "async.eta=1", f"run.dir={run}",
+                                                    "rollout.num_engines=2", "rollout.group_size=4",
+                                                    "run.checkpoint_every=1000"])
+    run_training(cfg)
+    events = rows_of(run / "events.jsonl")
+    assert "error" not in [e["event"] for e in events]
+    runtime = next(e for e in events if e["event"] == "runtime")
+    assert len(set(runtime["engine_pids"])) == 2  # two processes
+    stats = json.loads((run / "engine_stats.json").read_text())
+    assert stats["num_engines"] == 2 and stats["engine_restarts"] == 1 and stats["router_resubmitted"] >= 1
+    assert min(e["generated_tokens"] for e in stats["engines"]) > 0  # both engines generated
+    assert stats["engines"][1]["version"] == 4  # the replacement follows the weights
+    trained = rows_of(run / "trained.jsonl")
+    assert [r["step"] for r in trained] == list(range(1, 5))
+    groups = [g["group"] for r in trained for g in r["groups"]]
+    assert len(groups) == len(set(groups)) == 8  # nothing lost or trained twice
+    assert all(len(g["lengths"]) == 4 for r in trained for g in r["groups"])  # whole groups
+    metrics = rows_of(run / "metrics.jsonl")
+    for m in metrics:
+        assert m["staleness/max"] <= 1 and 0 <= m["busy/engine"] <= 1
+    assert metrics[-1]["engine/restarts"] == 1 and metrics[-1]["engine/resubmitted"] >= 1
+    assert wait_cpus_free() >= 2  # the engine actors were killed with the run
+
+
 def test_ray_engine_is_an_engine_that_generates_and_evaluates_from_the_driver(cluster, tiny):
     from conveyor.data import load_dataset
     from conveyor.eval import evaluate

@@ -203,3 +203,30 @@ def test_calculator_tool_run(tmp_path):
     assert res.steps == 2 and res.heldout_after is not None
     before = json.loads((tmp_path / "r" / "eval_before.json").read_text())
     assert before["num_problems"] == 3
+
+
+def test_two_engines_behind_the_router_share_the_rollouts(tmp_path):
+    # rollout.num_engines=2 (inline: two engines in this process, one router): both generate,
+    # the counters are merged, the busy fraction is per engine, the staleness bound still holds
+    run = tmp_path / "r"
+    cfg = load_config(None, BASE + ["trainer.total_steps=3", "async.eta=1", f"run.dir={run}", "rollout.num_engines=2",
+                                    "rollout.group_size=4", "trainer.batch_size=4"])
+    res = run_training(cfg)
+    assert res.steps == 3 and not res.interrupted
+    stats = json.loads((run / "engine_stats.json").read_text())
+    assert stats["num_engines"] == 2 and len(stats["engines"]) == 2
+    per = [e["generated_tokens"] for e in stats["engines"]]
+    assert min(per) > 0 and stats["generated_tokens"] == sum(per)
+    assert stats["routed_by_affinity"] > 0  # a group's responses went to the engine that had its prompt
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert r["staleness/max"] <= 1 and 0.0 <= r["busy/engine"] <= 1.0
+    groups = [g["group"] for r in trained_groups(run) for g in r["groups"]]
+    assert len(groups) == len(set(groups)) == 3 * 4
+
+
+def test_two_engines_refuse_partial_request_scoring():
+    with pytest.raises(Exception, match="rollout.num_engines"):
+        load_config(None, BASE + ["rollout.num_engines=2", "proximal.method=partial_sync"])
+    with pytest.raises(Exception, match="rollout.num_engines"):
+        load_config(None, BASE + ["rollout.num_engines=2", "rollout.elastic_threads=true"])

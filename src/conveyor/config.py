@@ -89,6 +89,12 @@ class RolloutConfig(_Strict):
     max_concurrent: int = Field(default=64, ge=1, description="trajectories in flight at most")
     max_batch_size: int = Field(default=32, ge=1, description="engine decode batch (sequences)")
     engine_threads: int | None = Field(default=None, ge=1, description="engine intra-op threads (default: auto)")
+    num_engines: int = Field(
+        default=1, ge=1, description="inference engines behind one router (conveyor.rollout.engine.router): inline, "
+                                     "each a thread of this process with its own copy of the policy and "
+                                     "engine_threads threads; ray, engine 0 in the rollout actor and the others "
+                                     "Ray actors of runtime.engine_num_cpus CPUs each. Requests go to the least "
+                                     "loaded engine, a group's responses and an episode's turns to the same one")
     max_engine_waiting: int | None = Field(
         default=None, ge=0, description="engine-aware admission: start a new episode only while at most this many "
                                         "requests wait in the engine's queue (0: only when it has a free decode slot); "
@@ -534,6 +540,13 @@ class RuntimeConfig(_Strict):
                     "auto / host:port / ray://host:port = join a running cluster (ray start --head)")
     num_cpus: int | None = Field(default=None, ge=1, description="ray: CPUs of the local cluster (default: this machine's)")
     rollout_num_cpus: float = Field(default=1.0, ge=0, description="ray: CPUs the rollout actor reserves")
+    engine_num_cpus: float = Field(
+        default=1.0, ge=0, description="ray: CPUs each engine actor reserves (rollout.num_engines > 1: engines 1.. "
+                                       "run as Ray actors; engine 0 is in the rollout actor)")
+    max_engine_restarts: int = Field(
+        default=2, ge=0, description="ray: times dead engine actors are replaced per rollout actor (the requests "
+                                     "they had in flight generated again on a live engine); 0 = a dead engine "
+                                     "leaves rotation and the others go on")
     call_timeout_s: float = Field(
         default=300.0, gt=0,
         description="ray: seconds a call to the rollout actor may take before the run stops with an error "
@@ -593,6 +606,14 @@ class TrainConfig(_Strict):
         if self.rollout.elastic_threads and self.runtime.name != "inline":
             raise ValueError("rollout.elastic_threads=true needs runtime.name=inline (the engine borrows the "
                              "trainer's threads in one process; a Ray actor's engine has its own CPUs)")
+        if self.rollout.num_engines > 1:
+            if self.proximal.method in ("partial_sync", "dedicated"):
+                raise ValueError(f"proximal.method={self.proximal.method} with rollout.num_engines="
+                                 f"{self.rollout.num_engines}: scoring partial requests at a weight update needs "
+                                 "one engine (rollout.num_engines=1), or another proximal.method")
+            if self.rollout.elastic_threads:
+                raise ValueError(f"rollout.elastic_threads=true with rollout.num_engines={self.rollout.num_engines}: "
+                                 "the trainer's threads are lent to one engine; set one of them back")
         if self.rollout.max_concurrent < self.rollout.group_size:
             raise ValueError(
                 f"rollout.max_concurrent ({self.rollout.max_concurrent}) must be >= rollout.group_size ({self.rollout.group_size})"

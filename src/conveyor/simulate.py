@@ -544,7 +544,8 @@ def _fit_line(xs: list[float], ys: list[float], ws: list[float] | None = None) -
 def calibrate(run_dir: str | Path) -> SimConfig:
     """A :class:`SimConfig` reproducing a real run, from the trace its run directory holds.
 
-    Reads ``config.json`` (eta, batch, group, concurrency, steps), ``engine_stats.json`` (decode
+    Reads ``config.json`` (eta, batch, group, concurrency, steps, ``rollout.num_engines`` as the
+    number of engine workers), ``engine_stats.json`` (decode
     forward seconds per batch size, fitted to ``base + per_seq * b``, plus the sampling seconds
     per generated token added to ``per_seq``; prefill seconds per token),
     ``trained.jsonl`` (prompt / response lengths of every trained trajectory, and its episode's
@@ -621,7 +622,8 @@ def calibrate(run_dir: str | Path) -> SimConfig:
         max_concurrent=max(conf["rollout"]["max_concurrent"], conf["rollout"]["group_size"]),
         seed=conf["run"]["seed"],
         rollout=RolloutSim(
-            workers=1, max_batch_size=conf["rollout"]["max_batch_size"], decode_base_s=base, decode_per_seq_s=per_seq,
+            workers=int(conf["rollout"].get("num_engines", 1)), max_batch_size=conf["rollout"]["max_batch_size"],
+            decode_base_s=base, decode_per_seq_s=per_seq,
             prefill_s_per_token=prefill, prompt_tokens=Dist(kind="empirical", values=prompts, integer=True),
             response_tokens=Dist(kind="empirical", values=responses, integer=True), env_latency_s=env,
         ),

@@ -90,7 +90,7 @@ def resolve_threads(cfg: TrainConfig) -> tuple[int, int]:
         # synchronous: the engine idles while the trainer works, so the trainer takes every core
         trainer = cfg.trainer.num_threads or cores
     else:
-        trainer = cfg.trainer.num_threads or max(1, cores - engine)
+        trainer = cfg.trainer.num_threads or max(1, cores - engine * cfg.rollout.num_engines)
     return engine, trainer
 
 

@@ -37,6 +37,7 @@ from conveyor.rollout.adaptive import AsyncRatioController
 from conveyor.rollout.buffer import TrajectoryBuffer
 from conveyor.rollout.controller import DataStream, RolloutController
 from conveyor.rollout.engine import InferenceEngine, SamplingParams
+from conveyor.rollout.engine.router import EngineRouter, engine_seed
 from conveyor.rollout.staleness import StalenessManager
 from conveyor.rollout.style_schedule import (
     stamp_target_style,
@@ -242,15 +243,23 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
     engine_model = (copy.deepcopy(policy) if policy is trainer.model else policy).eval()
     for p in engine_model.parameters():
         p.requires_grad_(False)
-    engine = InferenceEngine(engine_model, tokenizer, version=trainer.version, max_batch_size=cfg.rollout.max_batch_size,
-                             seed=cfg.run.seed + trainer.version, num_threads=engine_threads,
-                             track_partials=tracks_partials(trainer.proximal),
-                             reencode_on_update=cfg.rollout.reencode_on_update,
-                             dtype=getattr(torch, cfg.rollout.engine_dtype),
-                             prefix_cache_tokens=cfg.rollout.prefix_cache_tokens,
-                             lora_base=trainer.engine_lora_base())
+    n_engines = cfg.rollout.num_engines
+    if n_engines > 1 and tracks_partials(trainer.proximal):
+        raise ValueError(f"proximal.method={trainer.proximal.name} needs rollout.num_engines=1")
+    # rollout.num_engines > 1: further engines, each with its own copy (taken before engine 0
+    # may convert its model to rollout.engine_dtype)
+    models = [engine_model] + [copy.deepcopy(engine_model) for _ in range(n_engines - 1)]
+    engines = [InferenceEngine(m, tokenizer, version=trainer.version, max_batch_size=cfg.rollout.max_batch_size,
+                               seed=engine_seed(cfg.run.seed, trainer.version, i), num_threads=engine_threads,
+                               track_partials=tracks_partials(trainer.proximal),
+                               reencode_on_update=cfg.rollout.reencode_on_update,
+                               dtype=getattr(torch, cfg.rollout.engine_dtype),
+                               prefix_cache_tokens=cfg.rollout.prefix_cache_tokens,
+                               lora_base=trainer.engine_lora_base())
+               for i, m in enumerate(models)]
+    engine = engines[0] if n_engines == 1 else EngineRouter(engines, restart=None)
     engine.start()
-    ctx.stack.callback(engine.stop)
+    ctx.stack.callback(engine.close if isinstance(engine, EngineRouter) else engine.stop)
     reward_service = RewardService(reward_fn, timeout_s=cfg.reward.timeout_s,
                                    failure_score=cfg.reward.failure_score, max_workers=cfg.reward.workers,
                                    metrics=service_metrics(cfg.data.style_schedule),  # correctness (style verdicts) off the main process too

@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import os
 import pickle
 import threading
@@ -57,6 +58,9 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from conveyor.rollout.engine.router import CUMULATIVE_ENGINE_STATS
+from conveyor.runtime.ray_engines import ENGINE_ACTOR_FAULTS_ENV
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +101,7 @@ def require_ray():
     return ray
 
 
-def connect_ray(runtime_cfg) -> Callable[[], None] | None:
+def connect_ray(runtime_cfg, min_cpus: float = 0.0) -> Callable[[], None] | None:
     """Connect this process to a Ray cluster for a run.
 
     Args:
@@ -105,6 +109,9 @@ def connect_ray(runtime_cfg) -> Callable[[], None] | None:
             cluster of ``num_cpus`` CPUs (default: this machine's); ``"auto"``, ``host:port`` or
             ``ray://host:port`` joins a running one. When Ray is already initialised in this
             process (a notebook, a test), that cluster is used as it is.
+        min_cpus: CPUs the run's actors reserve: a local cluster without ``num_cpus`` gets at
+            least that many logical CPUs (more than the machine's cores: oversubscribed, with a
+            warning), so that its actors can start.
 
     Returns:
         ``ray.shutdown`` when this call connected (the caller disconnects at the end, which also
@@ -124,8 +131,14 @@ def connect_ray(runtime_cfg) -> Callable[[], None] | None:
     try:
         if runtime_cfg.address is None:
             # "local": always a new cluster, never one Ray finds running on this machine
-            ray.init(address="local", num_cpus=runtime_cfg.num_cpus or os.cpu_count() or 1, include_dashboard=False,
-                     **kwargs)
+            num_cpus = runtime_cfg.num_cpus
+            if num_cpus is None:
+                cores = os.cpu_count() or 1
+                num_cpus = max(cores, math.ceil(min_cpus))
+                if num_cpus > cores:
+                    log.warning("the run's Ray actors reserve %g CPUs on this %d-core machine: the local cluster gets "
+                                "%d logical CPUs (oversubscribed)", min_cpus, cores, num_cpus)
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
         else:
             ray.init(address=runtime_cfg.address, **kwargs)
     except Exception as e:
@@ -199,10 +212,13 @@ class RolloutActor:
         self._skips: list[dict] = []
         self._skips_lock = threading.Lock()
         self.engine = self.controller = self.buffer = self.reward_service = self.tokenizer = self.workflow = None
+        self._refs = None  # WeightRefs (engine actors)
+        self._engine_actors: list = []  # every engine actor started (replacements too)
 
     # ------------------------------------------------------------------ build
     def setup(self, cfg, train_samples: list, weights, *, engine_threads: int, track_partials: bool,
-              warmup_batches: int = 0, n_too_long: int = 0, controller_state: dict | None = None) -> dict:
+              warmup_batches: int = 0, n_too_long: int = 0, controller_state: dict | None = None,
+              engine_faults: str | None = None) -> dict:
         """Build the rollout side for a trainer at ``weights.version`` (what
         :func:`~conveyor.runtime.inline.build_rollout` builds in process), the engine started,
         the controller not.
@@ -212,66 +228,75 @@ class RolloutActor:
             train_samples: The training samples (already preflighted by the driver).
             weights: The trainer's current :class:`~conveyor.sync.WeightUpdate` (applied to the
                 model loaded from ``model.name`` / ``model.seed``, so the engine starts from
-                exactly the trainer's parameters, also on a resume). With LoRA (``lora.enabled``)
-                it holds the merged adapted weights or the adapter factors, applied to that base
-                model (whose other weights LoRA never changes); with ``lora.sync=adapter`` the
-                engine keeps the base weights of the adapted matrices to merge later adapters onto.
+                exactly the trainer's parameters, also on a resume; with LoRA the adapted
+                weights on that base model: :func:`~conveyor.runtime.ray_engines.build_local_engine`).
             engine_threads: Intra-op threads of the engine's decode thread.
             track_partials: Keep request tokens for old-log-prob scoring (partial_sync / dedicated).
             warmup_batches: Critic warm-up batches consumed so far.
             n_too_long: Prompts the driver's preflight dropped (the controller's counter).
             controller_state: A checkpoint's ``state["controller"]`` to continue from, or None.
+            engine_faults: ``CONVEYOR_FAULTS`` of the first engine actor (chaos tests), or None.
+
+        With ``rollout.num_engines`` N > 1, engines 1 .. N-1 are started as engine actors
+        (:mod:`conveyor.runtime.ray_engines`) and the controller generates through an
+        :class:`~conveyor.rollout.engine.router.EngineRouter` over all N.
 
         Returns:
-            ``{"pid", "node", "version", "model_seconds"}``.
+            ``{"pid", "node", "version", "model_seconds", "engine_pids"}``.
 
         Raises:
             Whatever loading fails with (a reward function that does not import on this node, a
-            model that is not there), raised in the driver as :class:`RolloutActorError`.
+            model that is not there, an engine actor that cannot start), raised in the driver as
+            :class:`RolloutActorError`.
         """
-        import torch
-
-        from conveyor.models import load_model
         from conveyor.rewards import RewardService, load_reward_fn
         from conveyor.rewards.styles import service_metrics
         from conveyor.rollout.buffer import TrajectoryBuffer
         from conveyor.rollout.controller import DataStream, RolloutController
-        from conveyor.rollout.engine import InferenceEngine
+        from conveyor.rollout.engine.router import EngineRouter
         from conveyor.rollout.staleness import StalenessManager
         from conveyor.rollout.style_schedule import with_style_schedule
         from conveyor.runtime.inline import build_workflow
+        from conveyor.runtime.ray_engines import WeightRefs, build_local_engine, start_engine_actor
 
-        t0 = time.perf_counter()
         version = weights.version
         reward_fn = load_reward_fn(cfg.reward.fn)
-        lm = load_model(cfg.model.name, seed=cfg.model.seed)
-        model = lm.model
-        lora_base = None
-        if cfg.lora.enabled:  # the base model from model.name (frozen under LoRA), the adapted weights on top
-            from conveyor.sync import apply_update
-
-            targets = dict(model.state_dict())
-            # lora.sync=adapter: the engine keeps W0 of each adapted weight to merge later adapters onto
-            lora_base = {n: targets[n].detach().clone() for n in weights.lora} or None
-            apply_update(targets, weights, lora_base)
+        engine0, self.tokenizer, model_s = build_local_engine(cfg, weights, index=0, engine_threads=engine_threads,
+                                                              track_partials=track_partials)
+        engine_pids = [os.getpid()]
+        if cfg.rollout.num_engines == 1:
+            self.engine = engine0
         else:
-            model.load_state_dict(weights.state_dict())
-        model.eval()
-        for p in model.parameters():
-            p.requires_grad_(False)
-        self.tokenizer = lm.tokenizer
-        model_s = time.perf_counter() - t0
-        self.engine = InferenceEngine(model, lm.tokenizer, version=version, max_batch_size=cfg.rollout.max_batch_size,
-                                      seed=cfg.run.seed + version, num_threads=engine_threads,
-                                      track_partials=track_partials, reencode_on_update=cfg.rollout.reencode_on_update,
-                                      dtype=getattr(torch, cfg.rollout.engine_dtype),
-                                      prefix_cache_tokens=cfg.rollout.prefix_cache_tokens, lora_base=lora_base)
+            import ray
+
+            self._refs = WeightRefs(ray)
+            first = self._refs.ref(weights)  # one object for the engine actors' setup
+
+            def start(index: int, update, faults: str | None = None):
+                client = start_engine_actor(cfg, first if update is None else self._refs.ref(update), index=index,
+                                            engine_threads=engine_threads, faults=faults)
+                client.refs = self._refs
+                self._engine_actors.append(client.actor)
+                return client
+
+            clients = []
+            try:
+                for i in range(1, cfg.rollout.num_engines):
+                    clients.append(start(i, None, engine_faults if i == 1 else None))
+            except Exception:
+                engine0.stop()
+                for c in clients:
+                    ray.kill(c.actor)
+                raise
+            engine_pids += [c._call("ready") for c in clients]
+            self.engine = EngineRouter([engine0, *clients], restart=lambda i, update: start(i, update),
+                                       max_restarts=cfg.runtime.max_engine_restarts)
         self.engine.start()
         self.reward_service = RewardService(reward_fn, timeout_s=cfg.reward.timeout_s,
                                             failure_score=cfg.reward.failure_score, max_workers=cfg.reward.workers,
                                             metrics=service_metrics(cfg.data.style_schedule), max_abs_score=cfg.reward.max_abs)
         G = cfg.rollout.group_size
-        workflow = self.workflow = build_workflow(cfg, lm.tokenizer, self.reward_service, version=version)
+        workflow = self.workflow = build_workflow(cfg, self.tokenizer, self.reward_service, version=version)
         eta = cfg.asynchronous.eta
         B = cfg.trainer.batch_size * G
         staleness = StalenessManager(batch_size=B, eta=eta, max_concurrent=max(cfg.rollout.max_concurrent, G))
@@ -290,7 +315,8 @@ class RolloutActor:
         self.controller.set_warmup_batches(warmup_batches)
         if controller_state is not None:
             self.controller.restore(controller_state, version)
-        return {"pid": os.getpid(), "node": _node_ip(), "version": version, "model_seconds": model_s}
+        return {"pid": os.getpid(), "node": _node_ip(), "version": version, "model_seconds": model_s,
+                "engine_pids": engine_pids}
 
     def _on_skip(self, sample, why: str) -> None:
         with self._skips_lock:
@@ -406,14 +432,26 @@ class RolloutActor:
         return getattr(self.engine, name)(*args, **kwargs)
 
     def update_weights(self, update) -> int:
-        """Apply a :class:`~conveyor.sync.WeightUpdate` (passed by object reference: Ray hands
-        the value over), waiting until the engine has it; returns its version."""
+        """Apply a :class:`~conveyor.sync.WeightUpdate`, waiting until every engine has it;
+        returns its version.
+
+        Args:
+            update: The update, or ``[object reference]`` of it (the driver's ``ray.put``: engine
+                actors then read that same object).
+        """
+        if isinstance(update, list):
+            import ray
+
+            ref = update[0]
+            update = ray.get(ref)
+            if self._refs is not None:
+                self._refs.remember(update, ref)
         self.engine.update_weights(update)
         return update.version
 
     def generate(self, prompt_ids: list[int], params, timeout_s: float | None = None):
-        """One generation (:meth:`InferenceEngine.submit`, waited for)."""
-        return self.engine.submit(prompt_ids, params).result(timeout_s)
+        """One generation (on one of the engines), waited for at most ``timeout_s`` seconds."""
+        return asyncio.run(asyncio.wait_for(self.engine.generate(prompt_ids, params), timeout_s))
 
     def evaluate(self, samples: list, kwargs: dict):
         """:func:`conveyor.eval.evaluate` with this actor's engine, tokenizer and reward service
@@ -433,11 +471,19 @@ class RolloutActor:
         endpoint of ``env.name=openai:...``) and the reward service (idempotent)."""
         close_workflow = getattr(self.workflow, "close", None)
         for f in (self.controller_stop, lambda: self.engine is not None and self.engine.stop(),
-                  lambda: close_workflow is not None and close_workflow(), self.close_rewards):
+                  lambda: close_workflow is not None and close_workflow(), self.close_rewards, self._kill_engines):
             try:
                 f()
             except Exception:
                 log.exception("closing the rollout actor")
+
+    def _kill_engines(self) -> None:
+        if self._engine_actors:
+            import ray
+
+            for a in self._engine_actors:
+                ray.kill(a)
+            self._engine_actors = []
 
 
 def _node_ip() -> str | None:
@@ -698,7 +744,7 @@ class RayEngine:
         """The actor was restarted: the dead engine's cumulative counters (the last ones read)
         are added to the new engine's, so busy seconds and token counts never go backwards."""
         if self._last_stats is not None:
-            self._offset = {k: v for k, v in self._last_stats.items() if k in _CUMULATIVE_ENGINE_STATS}
+            self._offset = {k: v for k, v in self._last_stats.items() if k in CUMULATIVE_ENGINE_STATS}
 
     @property
     def version(self) -> int:
@@ -755,13 +801,13 @@ class RayEngine:
             RolloutActorError: the actor failed, died or timed out.
         """
         ray = self._h.ray
-        ref = ray.put(update)
+        ref = ray.put(update)  # passed as [ref]: the actor hands the same object to its engine actors
         if wait:
-            self._h.call("update_weights", ref, passthrough=(ValueError, KeyError, TypeError))
+            self._h.call("update_weights", [ref], passthrough=(ValueError, KeyError, TypeError))
             fut: concurrent.futures.Future = concurrent.futures.Future()
             fut.set_result(None)
             return fut
-        return self._h.actor.update_weights.remote(ref).future()
+        return self._h.actor.update_weights.remote([ref]).future()
 
     def partial_requests(self, *, require_pause: bool = True) -> list:
         """The engine's requests with tokens (copies), for old-log-prob scoring."""
@@ -865,12 +911,6 @@ _NOT_PER_STEP_OVERHEAD = frozenset({"next_batch", "next_batch_with_snapshot", "s
                                     "close_rewards"})
 """Calls not counted as the runtime's per-step overhead (``runtime/actor_call_s``): the batch wait
 is waiting; set-up, evaluations and shutdown are phases of their own."""
-
-_CUMULATIVE_ENGINE_STATS = frozenset({
-    "busy_seconds", "prefill_seconds", "sample_seconds", "generated_tokens", "prefill_tokens", "reencoded_tokens",
-    "decode_steps", "num_requests", "num_finished", "num_aborted", "num_weight_updates", "weight_load_seconds",
-    "pause_seconds_total"})
-
 
 class _ActorReviver:
     """Restarts a dead :class:`RolloutActor` (``runtime.max_actor_restarts`` times per run) and
@@ -1007,7 +1047,8 @@ def build_ray_rollout(cfg, trainer, train_samples, *, engine_threads: int, logge
 
     cfg = resolve_engine_dtype(cfg, trainer.bf16)  # the actor builds its engine from the resolved value
     ray = require_ray()
-    shutdown = connect_ray(cfg.runtime)
+    shutdown = connect_ray(cfg.runtime, min_cpus=cfg.runtime.rollout_num_cpus
+                           + (cfg.rollout.num_engines - 1) * cfg.runtime.engine_num_cpus)
     if shutdown is not None:
         ctx.stack.callback(shutdown)
     actor, handle = start_rollout_actor(cfg.runtime, logger=logger)
@@ -1028,7 +1069,8 @@ def build_ray_rollout(cfg, trainer, train_samples, *, engine_threads: int, logge
         info = handle.call("setup", cfg, list(train_samples), weights, engine_threads=engine_threads,
                            track_partials=tracks_partials(trainer.proximal),
                            warmup_batches=trainer.critic_warmup_done, n_too_long=n_too_long,
-                           controller_state=None if state is None else state["controller"])
+                           controller_state=None if state is None else state["controller"],
+                           engine_faults=os.environ.get(ENGINE_ACTOR_FAULTS_ENV))
     except RolloutActorError as e:
         raise RolloutActorError(
             f"{e} (the rollout actor builds the engine, rewards and workflow in a Ray worker process: "
@@ -1044,6 +1086,7 @@ def build_ray_rollout(cfg, trainer, train_samples, *, engine_threads: int, logge
         reviver.active = True
         handle.reviver = reviver
     logger.event("runtime", name="ray", actor_pid=info["pid"], actor_node=info["node"], address=cfg.runtime.address,
+                 engine_pids=info["engine_pids"],
                  setup_seconds=time.perf_counter() - t0, cluster_cpus=ray.cluster_resources().get("CPU", 0))
     engine = RayEngine(handle)
     if reviver is not None:

@@ -50,9 +50,11 @@ class RunClock:
         return time.perf_counter() - self.t_start
 
     def engine_busy_since_start(self, stats: dict | None = None) -> float:
-        """Engine busy seconds since the segment started (``stats``: a snapshot to read)."""
+        """Engine busy seconds since the segment started, per engine (the mean over
+        ``stats["num_engines"]`` engines of an :class:`~conveyor.rollout.engine.router.EngineRouter`;
+        ``stats``: a snapshot to read)."""
         stats = stats if stats is not None else self.engine_stats()
-        return stats["busy_seconds"] - self.eng0["busy_seconds"]
+        return (stats["busy_seconds"] - self.eng0["busy_seconds"]) / max(1, int(stats.get("num_engines", 1)))
 
     def busy(self, trainer_busy_s: float) -> dict[str, float]:
         """``time/elapsed_s`` and the busy fractions with ``trainer_busy_s`` trainer seconds
@@ -63,7 +65,10 @@ class RunClock:
 
     def tick(self) -> dict[str, float]:
         """The step's timing metrics since the previous tick: generation throughput (tokens/s),
-        busy fractions over the segment, the step's wall-clock and the elapsed time (s)."""
+        busy fractions over the segment, the step's wall-clock and the elapsed time (s); with
+        several engines also the router's cumulative ``engine/restarts``,
+        ``engine/resubmitted`` (requests run again after their engine died) and
+        ``engine/routed_by_affinity``."""
         now = time.perf_counter()
         eng = self.engine_stats()
         wall = now - self.t_start
@@ -76,6 +81,10 @@ class RunClock:
             "time/elapsed_s": wall,
             "engine/pause_seconds_total": eng.get("pause_seconds_total", 0.0),
         }
+        if "num_engines" in eng:  # rollout.num_engines > 1: the router's counters (cumulative)
+            out["engine/restarts"] = float(eng.get("engine_restarts", 0))
+            out["engine/resubmitted"] = float(eng.get("router_resubmitted", 0))
+            out["engine/routed_by_affinity"] = float(eng.get("routed_by_affinity", 0))
         self._last_eng, self._last_t = eng, now
         return out
 

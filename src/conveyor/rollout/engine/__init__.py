@@ -58,6 +58,9 @@ Package layout (import from ``conveyor.rollout.engine``):
 * :mod:`~conveyor.rollout.engine.local` -- ``InferenceEngine``;
 * :mod:`~conveyor.rollout.engine.protocol` -- ``Engine``, what the rest of conveyor calls on an
   engine;
+* :mod:`~conveyor.rollout.engine.router` -- ``EngineRouter``: several engines as one
+  (``rollout.num_engines``; least-loaded routing with prompt / episode affinity, weights to every
+  engine, a dead engine replaced and its requests run again);
 * :mod:`~conveyor.rollout.engine.server` -- ``build_app`` / ``serve``: the engine over HTTP with
   SGLang's native API (``conveyor serve``; imports FastAPI, so not imported here);
 * :mod:`~conveyor.rollout.engine.remote` -- ``HttpEngine`` (SGLang API) and ``VllmEngine``

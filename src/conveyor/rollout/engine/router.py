@@ -1,0 +1,460 @@
+"""Several inference engines behind one :class:`~conveyor.rollout.engine.Engine`: the
+:class:`EngineRouter` (``rollout.num_engines``, issue 12 section 3).
+
+The rollout controller, the staleness rule and the workflows see one engine, so their semantics
+do not change with the number of engines: AReaL's capacity rule counts trajectories, not
+engines, and every token carries the version of the weights that produced it whichever engine
+generated it. What the router adds:
+
+* **Routing** (a simplified form of the SGLang router's cache-aware policy and of verl's sticky
+  sessions): a request goes to the engine with the fewest requests in flight (ties: the lowest
+  index), except that a request whose prompt the router has seen (the other responses of a GRPO
+  group) or whose prompt extends a generation it routed (the next turn of a tool or agent
+  episode: ``prompt + response + observation``) goes to the engine that served it, so that
+  engine's prefix cache and identical-prompt prefill deduplication apply, as long as that engine
+  has at most ``affinity_slack`` more requests in flight than the least loaded one. Routing is
+  only a matter of speed: an engine samples each request from its own random stream, and the
+  result does not depend on which engine ran it (within float rounding).
+* **Weights** go to every engine (:meth:`update_weights`; the future resolves when all have
+  them); :attr:`version` is the lowest version among the engines.
+* **Control**: start / stop / pause / resume reach every engine (in parallel); :meth:`stats` sums
+  the counters (``num_engines`` and the per-engine ``engines`` list added; ``busy_seconds`` is the
+  sum of engine-seconds, which :class:`~conveyor.runtime.record.RunClock` divides by
+  ``num_engines``).
+* **Faults**: an engine that raises :class:`EngineDiedError` (its process is gone: a Ray engine
+  actor) is replaced by ``restart(index, update)`` (``max_restarts`` times per router), built at
+  the newest weights the router has sent; the requests it had in flight are generated again on
+  a live engine (``router_resubmitted``). A request lost with an engine is regenerated from its
+  prompt: its tokens are sampled anew at the current version (never a mixture of two attempts).
+
+Not supported with more than one engine: old-log-prob scoring of partial requests
+(``proximal.method=partial_sync`` / ``dedicated``, refused by the config: request keys are per
+engine) and elastic threads (``rollout.elastic_threads``, refused by the config).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from conveyor.rollout.engine.types import GenerationOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CUMULATIVE_ENGINE_STATS", "EngineDiedError", "EngineRouter", "engine_seed", "merge_engine_stats"]
+
+CUMULATIVE_ENGINE_STATS = frozenset({
+    "busy_seconds", "prefill_seconds", "sample_seconds", "generated_tokens", "prefill_tokens", "reencoded_tokens",
+    "decode_steps", "num_requests", "num_finished", "num_aborted", "num_weight_updates", "weight_load_seconds",
+    "pause_seconds_total", "merge_seconds", "prefix_cache_hits", "prefix_cache_hit_tokens", "prefill_dedup_tokens",
+    "prefill_forwards", "thread_changes"})
+"""Counters of :meth:`InferenceEngine.stats <conveyor.rollout.engine.InferenceEngine.stats>` that
+only grow; a replaced engine's last values are added to its successor's, so they never go back."""
+
+
+def engine_seed(run_seed: int, version: int, index: int) -> int:
+    """Sampling seed of engine ``index`` of a run started (or resumed) at ``version``:
+    ``run_seed + version + 1_000_003 * index`` (engine 0's is the single engine's, so a run with
+    one engine samples as before; each further engine draws other random streams)."""
+    return run_seed + version + 1_000_003 * index
+
+
+class EngineDiedError(RuntimeError):
+    """An engine's process is gone (e.g. a Ray engine actor was killed): the request or call did
+    not complete there. An :class:`EngineRouter` replaces the engine and runs the request again."""
+
+
+def merge_engine_stats(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Counters of several engines as one engine's.
+
+    Args:
+        stats: One :meth:`~conveyor.rollout.engine.Engine.stats` dict per engine.
+
+    Returns:
+        Numbers summed (counters and the gauges ``running`` / ``waiting`` /
+        ``prefix_cache_tokens`` / ``num_threads``), ``version`` the lowest, booleans true only
+        when true on every engine (``paused``), strings from the first engine (``dtype``), and the
+        profiles (``decode_profile``: ``{batch size: [steps, seconds]}``, ``prefill_profile``)
+        merged by summing each entry.
+    """
+    out: dict[str, Any] = {}
+    for st in stats:
+        for k, v in st.items():
+            if k == "version":
+                out[k] = min(out.get(k, v), v)
+            elif isinstance(v, bool):
+                out[k] = out.get(k, True) and v
+            elif isinstance(v, (int, float)):
+                out[k] = out.get(k, 0) + v
+            elif isinstance(v, dict) and k.endswith("_profile"):
+                merged = out.setdefault(k, {})
+                for key, row in v.items():
+                    if key in merged:
+                        merged[key] = [a + b for a, b in zip(merged[key], row, strict=True)]
+                    else:
+                        merged[key] = list(row)
+            else:
+                out.setdefault(k, v)
+    return out
+
+
+class EngineRouter:
+    """One :class:`~conveyor.rollout.engine.Engine` over several (module docstring).
+
+    Args:
+        engines: The engines (at least one), all at the same version with the same weights.
+        restart: ``(index, update) -> Engine``: a replacement for engine ``index`` that died,
+            already holding ``update`` (the newest :class:`~conveyor.sync.WeightUpdate` sent, or
+            None before the first) and not started; None: a dead engine is not replaced (its
+            slot stays out of rotation; the run continues while another engine lives).
+        max_restarts: Replacements per router at most.
+        affinity_slack: Requests in flight by which an engine that served a prompt (or its
+            earlier turn) may exceed the least loaded engine and still get the request.
+        affinity_entries: Prompts and continuations remembered for routing (least recently
+            used forgotten first).
+
+    Raises:
+        ValueError: no engine, or a negative ``max_restarts`` / ``affinity_slack``.
+    """
+
+    def __init__(self, engines: Sequence[Any], *, restart: Callable[[int, Any], Any] | None = None,
+                 max_restarts: int = 2, affinity_slack: int = 8, affinity_entries: int = 4096):
+        if not engines:
+            raise ValueError("EngineRouter needs at least one engine")
+        if max_restarts < 0 or affinity_slack < 0 or affinity_entries < 1:
+            raise ValueError(f"max_restarts ({max_restarts}) and affinity_slack ({affinity_slack}) must be >= 0, "
+                             f"affinity_entries ({affinity_entries}) >= 1")
+        self._engines = list(engines)
+        n = len(self._engines)
+        self._restart = restart
+        self.max_restarts = max_restarts
+        self.affinity_slack = affinity_slack
+        self._entries = affinity_entries
+        self._lock = threading.Lock()  # routing state; never held while calling an engine
+        self._inflight = [0] * n
+        self._gen = [0] * n  # incremented by each replacement of the slot
+        self._down: set[int] = set()  # slots being replaced or dead for good
+        self._dead: set[int] = set()  # dead for good (no restart left)
+        self._restart_locks = [threading.Lock() for _ in range(n)]
+        self._offset: list[dict[str, float]] = [{} for _ in range(n)]  # counters of replaced engines
+        self._last_stats: list[dict | None] = [None] * n
+        self._last_update = None
+        self._started = False
+        self._paused = False
+        self.restarts = 0
+        self.resubmitted = 0
+        self.routed_by_affinity = 0
+        self._prompt_slot: OrderedDict[int, int] = OrderedDict()  # hash(prompt) -> slot
+        self._cont_slot: OrderedDict[tuple[int, int], int] = OrderedDict()  # (length, hash) -> slot
+        self._cont_lengths: Counter[int] = Counter()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="engine-router")
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def engines(self) -> list:
+        """The engines now in the slots (a copy of the list)."""
+        return list(self._engines)
+
+    @property
+    def num_engines(self) -> int:
+        """Number of engine slots."""
+        return len(self._engines)
+
+    @property
+    def version(self) -> int:
+        """The lowest policy version among the live engines (every token carries its own)."""
+        versions = [e.version for i, e in enumerate(self._engines) if i not in self._down]
+        if not versions:
+            return self._last_update.version if self._last_update is not None else self._engines[0].version
+        return min(versions)
+
+    @property
+    def supports_priority(self) -> bool:
+        """True when every engine takes ``generate(..., priority=p)``."""
+        return all(getattr(e, "supports_priority", False) for e in self._engines)
+
+    # ------------------------------------------------------------------ control plane
+    def _each(self, method: str, *, tolerant: bool = False) -> None:
+        futs = {}
+        gens = list(self._gen)
+        for i, e in enumerate(self._engines):
+            if i not in self._down:
+                futs[i] = self._pool.submit(getattr(e, method))
+        first: BaseException | None = None
+        for i, f in futs.items():
+            try:
+                f.result()
+            except EngineDiedError as e:  # replaced at the next request; not this call's failure
+                log.warning("engine %d: %s() found it dead: %s", i, method, e)
+                self._replace_later(i, gens[i], str(e))
+            except Exception as e:
+                if tolerant:
+                    log.warning("engine %d: %s() failed: %s", i, method, e)
+                elif first is None:
+                    first = e
+        if first is not None:
+            raise first
+
+    def start(self) -> None:
+        """Start every engine (idempotent)."""
+        self._started = True
+        self._each("start")
+
+    def stop(self) -> None:
+        """Stop every engine (tolerant: a failure is logged); in-flight requests resolve with
+        ``finish_reason="abort"``."""
+        self._started = False
+        self._each("stop", tolerant=True)
+
+    def pause(self) -> None:
+        """Pause every engine; returns when each has finished its current forward pass."""
+        self._paused = True
+        self._each("pause")
+
+    def resume(self) -> None:
+        """Resume every engine."""
+        self._paused = False
+        self._each("resume")
+
+    def close(self) -> None:
+        """Stop the engines and the router's thread pool."""
+        self.stop()
+        self._pool.shutdown(wait=False)
+
+    def stats(self) -> dict[str, Any]:
+        """The engines' counters merged (:func:`merge_engine_stats`; a replaced engine's
+        cumulative counters carried into its successor's), plus ``num_engines``, ``engines``
+        (each engine's own dict), ``engine_restarts``, ``router_resubmitted`` (requests run again
+        after their engine died) and ``routed_by_affinity`` (requests sent to the engine that
+        served their prompt or its earlier turn)."""
+        per = []
+        for i, e in enumerate(self._engines):
+            st = None
+            if i not in self._down:
+                try:
+                    st = dict(e.stats())
+                    for k, v in self._offset[i].items():
+                        st[k] = st.get(k, 0) + v
+                    self._last_stats[i] = st
+                except EngineDiedError as err:
+                    log.warning("engine %d: stats() found it dead: %s", i, err)
+                    self._replace_later(i, self._gen[i], str(err))
+            if st is None:
+                st = dict(self._last_stats[i] or {})
+            per.append(st)
+        out = merge_engine_stats(per)
+        out["num_engines"] = len(self._engines)
+        out["engines"] = per
+        with self._lock:
+            out["engine_restarts"] = self.restarts
+            out["router_resubmitted"] = self.resubmitted
+            out["routed_by_affinity"] = self.routed_by_affinity
+        return out
+
+    def update_weights(self, update, *, wait: bool = True) -> concurrent.futures.Future:
+        """Send ``update`` to every engine.
+
+        Args:
+            update: The :class:`~conveyor.sync.WeightUpdate` (its version must exceed every
+                version sent before).
+            wait: Block until every live engine has applied it.
+
+        Returns:
+            A future resolving to None when every engine has the weights; an engine that dies
+            meanwhile does not fail it (its replacement starts from these weights).
+
+        Raises:
+            ValueError / KeyError / TypeError: an engine refused the update (the engines are
+                identical, so each refuses it).
+        """
+        with self._lock:
+            self._last_update = update
+            targets = [(i, e) for i, e in enumerate(self._engines) if i not in self._down]
+            gens = list(self._gen)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        pending = [len(targets)]
+        count_lock = threading.Lock()
+
+        def finished(i: int, f: concurrent.futures.Future) -> None:
+            err = f.exception()
+            if err is not None and not isinstance(err, EngineDiedError):
+                if not done.done():
+                    done.set_exception(err)
+                return
+            if err is not None:
+                log.warning("engine %d died during a weight update: %s (its replacement starts from these weights)",
+                            i, err)
+                self._replace_later(i, gens[i], str(err))
+            with count_lock:
+                pending[0] -= 1
+                last = pending[0] == 0
+            if last and not done.done():
+                done.set_result(None)
+
+        if not targets:
+            done.set_result(None)
+        for i, e in targets:
+            try:
+                f = e.update_weights(update, wait=False)
+            except EngineDiedError as err:
+                f = concurrent.futures.Future()
+                f.set_exception(err)
+            f.add_done_callback(lambda f, i=i: finished(i, f))
+        if wait:
+            done.result()
+        return done
+
+    def partial_requests(self, *, require_pause: bool = True) -> list:
+        """Not available with several engines (request keys are per engine).
+
+        Raises:
+            NotImplementedError: always; ``proximal.method=partial_sync`` / ``dedicated`` need
+                ``rollout.num_engines=1`` (the config refuses the combination).
+        """
+        raise NotImplementedError("old-log-prob scoring of partial requests (proximal.method=partial_sync / "
+                                  "dedicated) needs rollout.num_engines=1")
+
+    # ------------------------------------------------------------------ routing
+    def _affine(self, prompt: list[int]) -> int | None:
+        slot = self._prompt_slot.get(hash(tuple(prompt)))
+        if slot is not None:
+            return slot
+        n = len(prompt)
+        for length in sorted(self._cont_lengths, reverse=True):
+            if length < n:
+                slot = self._cont_slot.get((length, hash(tuple(prompt[:length]))))
+                if slot is not None:
+                    return slot
+        return None
+
+    def _choose(self, prompt: list[int]) -> int | None:
+        """The slot for ``prompt`` (under the lock), or None when every slot is down."""
+        live = [i for i in range(len(self._engines)) if i not in self._down]
+        if not live:
+            return None
+        least = min(live, key=lambda i: (self._inflight[i], i))
+        pref = self._affine(prompt)
+        if pref is not None and pref not in self._down and self._inflight[pref] <= self._inflight[least] + self.affinity_slack:
+            self.routed_by_affinity += 1
+            chosen = pref
+        else:
+            chosen = least
+        key = hash(tuple(prompt))
+        self._prompt_slot[key] = chosen
+        self._prompt_slot.move_to_end(key)
+        while len(self._prompt_slot) > self._entries:
+            self._prompt_slot.popitem(last=False)
+        return chosen
+
+    def _remember(self, prompt: list[int], response: Sequence[int], slot: int) -> None:
+        seq = prompt + list(response)
+        key = (len(seq), hash(tuple(seq)))
+        with self._lock:
+            if key not in self._cont_slot:
+                self._cont_lengths[key[0]] += 1
+            self._cont_slot[key] = slot
+            self._cont_slot.move_to_end(key)
+            while len(self._cont_slot) > self._entries:
+                (length, _), _ = self._cont_slot.popitem(last=False)
+                self._cont_lengths[length] -= 1
+                if not self._cont_lengths[length]:
+                    del self._cont_lengths[length]
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
+                       priority: int | None = None) -> GenerationOutput:
+        """Generate one response on one of the engines (module docstring: routing, faults).
+
+        Args:
+            prompt_ids: Prompt token ids.
+            params: Sampling parameters (None: ``SamplingParams()``).
+            priority: Passed on when every engine supports it (:attr:`supports_priority`).
+
+        Returns:
+            The engine's :class:`~conveyor.rollout.engine.types.GenerationOutput`.
+
+        Raises:
+            What the engine raises (ValueError for an invalid prompt, RuntimeError for a stopped
+            or crashed engine); RuntimeError when every engine is dead and none can be replaced.
+        """
+        prompt = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)
+        kwargs = {} if priority is None or not self.supports_priority else {"priority": priority}
+        while True:
+            with self._lock:
+                slot = self._choose(prompt)
+                if slot is not None:
+                    engine, gen = self._engines[slot], self._gen[slot]
+                    self._inflight[slot] += 1
+                elif len(self._dead) == len(self._engines):
+                    raise RuntimeError(f"all {len(self._engines)} engines died and none could be replaced")
+            if slot is None:  # every slot is being replaced
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                out = await engine.generate(prompt, params, **kwargs)
+            except EngineDiedError as e:
+                replaced = await asyncio.to_thread(self._replace, slot, gen, str(e))
+                if not replaced and len(self._dead) == len(self._engines):
+                    raise RuntimeError(f"engine {slot} died ({e}) and no engine is left") from e
+                with self._lock:
+                    self.resubmitted += 1
+                continue
+            finally:
+                with self._lock:
+                    self._inflight[slot] -= 1
+            self._remember(prompt, out.token_ids, slot)
+            return out
+
+    # ------------------------------------------------------------------ faults
+    def _replace_later(self, slot: int, gen: int, why: str) -> None:
+        """:meth:`_replace` in a thread of its own (a death seen outside a request)."""
+        threading.Thread(target=self._replace, args=(slot, gen, why), name=f"engine-{slot}-restart",
+                         daemon=True).start()
+
+    def _replace(self, slot: int, gen: int, why: str) -> bool:
+        """Replace the engine of ``slot`` that died under generation ``gen`` (a no-op when
+        another caller already did). Returns True when the slot holds a live engine now."""
+        with self._restart_locks[slot]:
+            with self._lock:
+                if self._gen[slot] != gen:
+                    return slot not in self._dead
+                if self._restart is None or self.restarts >= self.max_restarts:
+                    self._down.add(slot)
+                    self._dead.add(slot)
+                    log.error("engine %d died (%s); not replaced (%s)", slot, why,
+                              "no restart" if self._restart is None else f"{self.max_restarts} restarts used up")
+                    return False
+                self._down.add(slot)
+                self.restarts += 1
+                update = self._last_update
+                old_stats = self._last_stats[slot]
+            log.warning("engine %d died (%s); starting a replacement (%d of %d)", slot, why, self.restarts,
+                        self.max_restarts)
+            try:
+                new = self._restart(slot, update)
+                if self._started:
+                    new.start()
+                if self._paused:
+                    new.pause()
+                while True:  # weights sent while it was being built; installed with the newest
+                    with self._lock:
+                        latest = self._last_update
+                        if latest is None or latest is update:
+                            if old_stats is not None:
+                                self._offset[slot] = {k: v for k, v in old_stats.items()
+                                                      if k in CUMULATIVE_ENGINE_STATS}
+                            self._engines[slot] = new
+                            self._gen[slot] += 1
+                            self._down.discard(slot)
+                            return True
+                    new.update_weights(latest, wait=True)
+                    update = latest
+            except Exception as e:
+                log.error("engine %d: the replacement failed: %s", slot, e)
+                with self._lock:
+                    self._dead.add(slot)
+                return False

@@ -1,0 +1,254 @@
+"""EngineRouter (rollout.num_engines): routing, weights to every engine, merged statistics, and a
+dead engine replaced with its requests run again. Fake engines here; real ones in
+tests/test_train_e2e.py (inline) and tests/test_ray_runtime.py (Ray engine actors)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+
+import pytest
+
+from conveyor.rollout.engine import Engine, GenerationOutput
+from conveyor.rollout.engine.router import EngineDiedError, EngineRouter, merge_engine_stats
+
+
+class FakeEngine:
+    """Answers each prompt with ``[name, len(prompt)]`` after ``gate`` opens; counts calls."""
+
+    def __init__(self, name: int, version: int = 0):
+        self.name = name
+        self._version = version
+        self.prompts: list[list[int]] = []
+        self.updates: list[int] = []
+        self.calls: list[str] = []
+        self.dead = False
+        self.gate: asyncio.Event | None = None
+        self.busy = 1.5 * (name + 1)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def start(self):
+        self.calls.append("start")
+
+    def stop(self):
+        self.calls.append("stop")
+
+    def pause(self):
+        self.calls.append("pause")
+
+    def resume(self):
+        self.calls.append("resume")
+
+    def stats(self):
+        if self.dead:
+            raise EngineDiedError(f"engine {self.name} is gone")
+        return {"busy_seconds": self.busy, "generated_tokens": 10 * (self.name + 1), "running": 1, "waiting": 2,
+                "version": self._version, "paused": False, "dtype": "float32",
+                "decode_profile": {1: [2, 0.5], self.name + 2: [1, 0.25]}}
+
+    def update_weights(self, update, *, wait=True):
+        if self.dead:
+            raise EngineDiedError(f"engine {self.name} is gone")
+        self.updates.append(update.version)
+        self._version = update.version
+        f = concurrent.futures.Future()
+        f.set_result(None)
+        return f
+
+    def partial_requests(self, *, require_pause=True):
+        return []
+
+    async def generate(self, prompt_ids, params=None):
+        self.prompts.append(list(prompt_ids))
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.dead:
+            raise EngineDiedError(f"engine {self.name} died")
+        return GenerationOutput(prompt_ids=list(prompt_ids), token_ids=[self.name, len(prompt_ids)],
+                                logprobs=[-1.0, -1.0], versions=[self._version] * 2)
+
+
+class Update:
+    def __init__(self, version):
+        self.version = version
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_router_is_an_engine_and_spreads_new_prompts_over_the_least_loaded_engines():
+    a, b = FakeEngine(0), FakeEngine(1)
+    r = EngineRouter([a, b])
+    assert isinstance(r, Engine)
+
+    async def go():
+        gate = asyncio.Event()
+        a.gate = b.gate = gate
+        tasks = [asyncio.create_task(r.generate([i, 100 + i])) for i in range(4)]  # 4 different prompts
+        await asyncio.sleep(0.01)
+        gate.set()
+        return await asyncio.gather(*tasks)
+
+    outs = run(go())
+    # least loaded, ties to the lowest index: 0, 1, 0, 1
+    assert [o.token_ids[0] for o in outs] == [0, 1, 0, 1]
+    assert len(a.prompts) == len(b.prompts) == 2
+
+
+def test_a_groups_responses_and_an_episodes_next_turn_go_to_the_engine_that_served_it():
+    a, b = FakeEngine(0), FakeEngine(1)
+    r = EngineRouter([a, b], affinity_slack=8)
+
+    async def go():
+        gate = asyncio.Event()
+        a.gate = b.gate = gate
+        group1 = [asyncio.create_task(r.generate([7, 7, 7])) for _ in range(4)]
+        group2 = [asyncio.create_task(r.generate([8, 8])) for _ in range(4)]
+        await asyncio.sleep(0.01)
+        gate.set()
+        g1, g2 = await asyncio.gather(*group1), await asyncio.gather(*group2)
+        a.gate = b.gate = None
+        # the next turn of an episode served by engine 1: prompt + its response + an observation
+        first = g2[0]
+        nxt = await r.generate(list(first.prompt_ids) + list(first.token_ids) + [55, 56])
+        return g1, g2, nxt
+
+    g1, g2, nxt = run(go())
+    assert {o.token_ids[0] for o in g1} == {0}  # the whole group on engine 0
+    assert {o.token_ids[0] for o in g2} == {1}  # the next new prompt on the least loaded, engine 1
+    assert nxt.token_ids[0] == 1
+    assert r.stats()["routed_by_affinity"] == 3 + 3 + 1
+
+
+def test_affinity_yields_to_load_beyond_the_slack():
+    a, b = FakeEngine(0), FakeEngine(1)
+    r = EngineRouter([a, b], affinity_slack=1)
+
+    async def go():
+        gate = asyncio.Event()
+        a.gate = b.gate = gate
+        tasks = [asyncio.create_task(r.generate([3, 3])) for _ in range(5)]
+        await asyncio.sleep(0.01)
+        gate.set()
+        return await asyncio.gather(*tasks)
+
+    outs = run(go())
+    # engine 0 keeps the prompt while it has at most 1 more in flight than engine 1; the third
+    # request goes to engine 1 (2 > 0 + 1), which then holds the prompt too and gets the rest
+    assert [o.token_ids[0] for o in outs] == [0, 0, 1, 1, 1]
+
+
+def test_weights_control_and_statistics_reach_every_engine():
+    a, b = FakeEngine(0), FakeEngine(1)
+    r = EngineRouter([a, b])
+    r.start()
+    r.pause()
+    r.resume()
+    r.stop()
+    assert a.calls == b.calls == ["start", "pause", "resume", "stop"]
+    f = r.update_weights(Update(3))
+    assert f.done() and f.result() is None
+    assert a.updates == b.updates == [3] and r.version == 3
+    st = r.stats()
+    assert st["num_engines"] == 2 and len(st["engines"]) == 2
+    assert st["busy_seconds"] == pytest.approx(1.5 + 3.0)
+    assert st["generated_tokens"] == 30 and st["running"] == 2 and st["waiting"] == 4
+    assert st["version"] == 3 and st["paused"] is False and st["dtype"] == "float32"
+    assert st["decode_profile"] == {1: [4, 1.0], 2: [1, 0.25], 3: [1, 0.25]}
+
+
+def test_merge_engine_stats_takes_the_lowest_version_and_all_paused():
+    m = merge_engine_stats([{"version": 4, "paused": True, "n": 1}, {"version": 2, "paused": False, "n": 2.5}])
+    assert m == {"version": 2, "paused": False, "n": 3.5}
+
+
+def test_a_dead_engine_is_replaced_at_the_newest_weights_and_its_requests_run_again():
+    a, b = FakeEngine(0), FakeEngine(1)
+    built = []
+
+    def restart(slot, update):
+        e = FakeEngine(10 + slot, version=update.version)
+        built.append((slot, update.version))
+        return e
+
+    r = EngineRouter([a, b], restart=restart, max_restarts=1)
+    r.start()
+    r.update_weights(Update(1))
+
+    async def go():
+        gate = asyncio.Event()
+        a.gate = b.gate = gate
+        tasks = [asyncio.create_task(r.generate([i])) for i in range(4)]  # 2 on each engine
+        await asyncio.sleep(0.01)
+        b.dead = True  # engine 1 dies with 2 requests in flight
+        gate.set()
+        return await asyncio.gather(*tasks)
+
+    outs = run(go())
+    assert len(outs) == 4 and all(o.versions == [1, 1] for o in outs)
+    assert built == [(1, 1)]
+    served = sorted(o.token_ids[0] for o in outs)
+    assert served.count(0) + served.count(11) == 4  # every request answered by a live engine
+    st = r.stats()
+    assert st["engine_restarts"] == 1 and st["router_resubmitted"] == 2
+    assert r.engines[1].name == 11 and r.engines[1].calls == ["start"]
+    # the dead engine's counters were carried: busy seconds never go back
+    assert st["busy_seconds"] >= 1.5 + 3.0
+
+
+def test_without_restarts_a_dead_engine_leaves_rotation_and_the_other_one_serves():
+    a, b = FakeEngine(0), FakeEngine(1)
+    r = EngineRouter([a, b], restart=None)
+    b.dead = True
+
+    async def go():
+        gate = asyncio.Event()
+        a.gate = b.gate = gate
+        tasks = [asyncio.create_task(r.generate([i])) for i in range(3)]  # 0, 1, 0
+        await asyncio.sleep(0.01)
+        gate.set()
+        return await asyncio.gather(*tasks)
+
+    outs = run(go())
+    assert [o.token_ids[0] for o in outs] == [0, 0, 0]
+    assert len(b.prompts) == 1
+    assert r.stats()["router_resubmitted"] == 1
+    a.dead = True
+    with pytest.raises(RuntimeError, match="no engine is left"):
+        run(r.generate([9]))
+
+
+def test_a_replacement_built_while_weights_change_gets_the_newest():
+    a, b = FakeEngine(0), FakeEngine(1)
+    release = threading.Event()
+    started = threading.Event()
+
+    def restart(slot, update):
+        started.set()
+        release.wait(5)
+        return FakeEngine(20, version=update.version)
+
+    r = EngineRouter([a, b], restart=restart)
+    r.update_weights(Update(1))
+    t = threading.Thread(target=r._replace, args=(1, 0, "test"))
+    t.start()
+    assert started.wait(5)
+    r.update_weights(Update(2))  # slot 1 is down: only engine 0 gets it now
+    assert b.updates == [1] and a.updates == [1, 2]
+    release.set()
+    t.join(5)
+    assert r.engines[1].name == 20 and r.engines[1].updates == [2] and r.version == 2
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="at least one engine"):
+        EngineRouter([])
+    with pytest.raises(ValueError, match="max_restarts"):
+        EngineRouter([FakeEngine(0)], max_restarts=-1)
+    with pytest.raises(NotImplementedError, match="num_engines=1"):
+        EngineRouter([FakeEngine(0)]).partial_requests()
