@@ -17,7 +17,7 @@ from conveyor.rollout.engine.router import EngineDiedError, EngineRouter, merge_
 class FakeEngine:
     """Answers each prompt with ``[name, len(prompt)]`` after ``gate`` opens; counts calls."""
 
-    def __init__(self, name: int, version: int = 0):
+    def __init__(self, name: int, version: int = 0, busy: float | None = None):
         self.name = name
         self._version = version
         self.prompts: list[list[int]] = []
@@ -25,7 +25,8 @@ class FakeEngine:
         self.calls: list[str] = []
         self.dead = False
         self.gate: asyncio.Event | None = None
-        self.busy = 1.5 * (name + 1)
+        self.busy = 1.5 * (name + 1) if busy is None else busy
+        self.closed = False
 
     @property
     def version(self) -> int:
@@ -36,6 +37,9 @@ class FakeEngine:
 
     def stop(self):
         self.calls.append("stop")
+
+    def close(self):
+        self.closed = True
 
     def pause(self):
         self.calls.append("pause")
@@ -172,13 +176,14 @@ def test_a_dead_engine_is_replaced_at_the_newest_weights_and_its_requests_run_ag
     built = []
 
     def restart(slot, update):
-        e = FakeEngine(10 + slot, version=update.version)
+        e = FakeEngine(10 + slot, version=update.version, busy=0.25)
         built.append((slot, update.version))
         return e
 
     r = EngineRouter([a, b], restart=restart, max_restarts=1)
     r.start()
     r.update_weights(Update(1))
+    assert r.stats()["busy_seconds"] == pytest.approx(1.5 + 3.0)  # read before the death
 
     async def go():
         gate = asyncio.Event()
@@ -197,8 +202,9 @@ def test_a_dead_engine_is_replaced_at_the_newest_weights_and_its_requests_run_ag
     st = r.stats()
     assert st["engine_restarts"] == 1 and st["router_resubmitted"] == 2
     assert r.engines[1].name == 11 and r.engines[1].calls == ["start"]
-    # the dead engine's counters were carried: busy seconds never go back
-    assert st["busy_seconds"] >= 1.5 + 3.0
+    # the dead engine's counters (as last read) were carried: busy seconds never go back
+    assert st["busy_seconds"] == pytest.approx(1.5 + 3.0 + 0.25)
+    assert st["engines"][1]["busy_seconds"] == pytest.approx(3.0 + 0.25)
 
 
 def test_without_restarts_a_dead_engine_leaves_rotation_and_the_other_one_serves():
@@ -252,3 +258,86 @@ def test_bad_arguments_are_refused():
         EngineRouter([FakeEngine(0)], max_restarts=-1)
     with pytest.raises(NotImplementedError, match="num_engines=1"):
         EngineRouter([FakeEngine(0)]).partial_requests()
+
+
+def test_a_replacement_that_fails_is_closed_and_not_tried_again_by_the_other_requests():
+    a, b = FakeEngine(0), FakeEngine(1)
+    made = []
+
+    class Broken(FakeEngine):
+        def start(self):
+            raise RuntimeError("no CPUs")
+
+    def restart(slot, update):
+        made.append(Broken(30))
+        return made[-1]
+
+    r = EngineRouter([a, b], restart=restart, max_restarts=5)
+    r.start()
+
+    async def go():
+        gate = asyncio.Event()
+        a.gate = b.gate = gate
+        tasks = [asyncio.create_task(r.generate([i])) for i in range(6)]  # 3 on each engine
+        await asyncio.sleep(0.01)
+        b.dead = True
+        gate.set()
+        return await asyncio.gather(*tasks)
+
+    outs = run(go())
+    assert [o.token_ids[0] for o in outs] == [0] * 6  # engine 0 served the three that died too
+    assert len(made) == 1 and made[0].closed  # one attempt for the three requests, and closed
+    st = r.stats()
+    assert st["engine_restarts"] == 1 and st["router_resubmitted"] == 3
+    assert st["engines"][1].get("running", 0) == 0  # a dead engine shows nothing running
+
+
+def test_waiting_requests_are_counted_by_the_router_without_asking_the_engines():
+    a, b = FakeEngine(0), FakeEngine(1)
+    r = EngineRouter([a, b], max_batch_size=2)
+
+    async def go():
+        gate = asyncio.Event()
+        a.gate = b.gate = gate
+        tasks = [asyncio.create_task(r.generate([i])) for i in range(7)]  # 4 on engine 0, 3 on engine 1
+        await asyncio.sleep(0.01)
+        waiting = r.waiting_requests()
+        gate.set()
+        await asyncio.gather(*tasks)
+        return waiting
+
+    assert run(go()) == (4 - 2) + (3 - 2)
+    assert r.waiting_requests() == 0
+
+
+def test_an_episodes_turn_is_recognised_by_length_and_tail_among_many_remembered():
+    a, b = FakeEngine(0), FakeEngine(1)
+    r = EngineRouter([a, b], affinity_slack=100)
+
+    async def go():
+        gate = asyncio.Event()
+        a.gate = b.gate = gate
+        # 40 episodes' first turns of different lengths, spread over both engines
+        tasks = [asyncio.create_task(r.generate(list(range(1000, 1000 + 50 + k)))) for k in range(40)]
+        await asyncio.sleep(0.01)
+        gate.set()
+        firsts = await asyncio.gather(*tasks)
+        a.gate = b.gate = None
+        nexts = [await r.generate(list(o.prompt_ids) + list(o.token_ids) + [7] * 20) for o in firsts]
+        return firsts, nexts
+
+    firsts, nexts = run(go())
+    assert {o.token_ids[0] for o in firsts} == {0, 1}
+    assert [n.token_ids[0] for n in nexts] == [o.token_ids[0] for o in firsts]  # each turn back to its engine
+
+
+def test_a_weight_update_that_an_engine_never_applies_times_out():
+    a = FakeEngine(0)
+
+    class Stuck(FakeEngine):
+        def update_weights(self, update, *, wait=True):
+            return concurrent.futures.Future()  # never resolves
+
+    r = EngineRouter([a, Stuck(1)], update_timeout_s=0.2)
+    with pytest.raises(TimeoutError, match="version 3"):
+        r.update_weights(Update(3))

@@ -404,8 +404,14 @@ class RolloutController:
 
     # ------------------------------------------------------------------ the loop
     def _engine_waiting(self) -> int:
-        """Requests waiting in the engine's queue now (0 when the engine does not say)."""
+        """Requests waiting in the engine's queue now (0 when the engine does not say): the
+        engine's ``waiting_requests()`` where it has one (an
+        :class:`~conveyor.rollout.engine.router.EngineRouter`: no call to remote engines on this
+        event loop), else ``stats()["waiting"]``."""
         try:
+            waiting = getattr(self.engine, "waiting_requests", None)
+            if callable(waiting):
+                return int(waiting())
             return int(self.engine.stats().get("waiting", 0))
         except Exception:  # an engine without stats (or gone): admission falls back to the capacity rule
             return 0

@@ -257,7 +257,8 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
                                prefix_cache_tokens=cfg.rollout.prefix_cache_tokens,
                                lora_base=trainer.engine_lora_base())
                for i, m in enumerate(models)]
-    engine = engines[0] if n_engines == 1 else EngineRouter(engines, restart=None)
+    engine = engines[0] if n_engines == 1 else EngineRouter(engines, restart=None,
+                                                             max_batch_size=cfg.rollout.max_batch_size)
     engine.start()
     ctx.stack.callback(engine.close if isinstance(engine, EngineRouter) else engine.stop)
     reward_service = RewardService(reward_fn, timeout_s=cfg.reward.timeout_s,

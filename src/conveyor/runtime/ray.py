@@ -226,10 +226,11 @@ class RolloutActor:
         Args:
             cfg: The run's :class:`~conveyor.config.TrainConfig`.
             train_samples: The training samples (already preflighted by the driver).
-            weights: The trainer's current :class:`~conveyor.sync.WeightUpdate` (applied to the
+            weights: The trainer's current :class:`~conveyor.sync.WeightUpdate`, or ``[its object
+                reference]`` (then the engine actors read that same object), applied to the
                 model loaded from ``model.name`` / ``model.seed``, so the engine starts from
                 exactly the trainer's parameters, also on a resume; with LoRA the adapted
-                weights on that base model: :func:`~conveyor.runtime.ray_engines.build_local_engine`).
+                weights on that base model (:func:`~conveyor.runtime.ray_engines.build_local_engine`).
             engine_threads: Intra-op threads of the engine's decode thread.
             track_partials: Keep request tokens for old-log-prob scoring (partial_sync / dedicated).
             warmup_batches: Critic warm-up batches consumed so far.
@@ -257,40 +258,60 @@ class RolloutActor:
         from conveyor.rollout.staleness import StalenessManager
         from conveyor.rollout.style_schedule import with_style_schedule
         from conveyor.runtime.inline import build_workflow
-        from conveyor.runtime.ray_engines import WeightRefs, build_local_engine, start_engine_actor
+        from conveyor.runtime.ray_engines import WeightRefs, build_local_engine, start_engine_actors
 
+        weights_ref = None
+        if isinstance(weights, list):  # [object reference]: the engine actors read the same object
+            import ray
+
+            weights_ref = weights[0]
+            weights = ray.get(weights_ref)
         version = weights.version
         reward_fn = load_reward_fn(cfg.reward.fn)
-        engine0, self.tokenizer, model_s = build_local_engine(cfg, weights, index=0, engine_threads=engine_threads,
+        n = cfg.rollout.num_engines
+        engine0, self.tokenizer, model_s = build_local_engine(cfg, weights, seed_index=0,
+                                                              engine_threads=engine_threads,
                                                               track_partials=track_partials)
         engine_pids = [os.getpid()]
-        if cfg.rollout.num_engines == 1:
+        if n == 1:
             self.engine = engine0
         else:
             import ray
 
-            self._refs = WeightRefs(ray)
-            first = self._refs.ref(weights)  # one object for the engine actors' setup
+            refs = self._refs = WeightRefs(ray)
+            if weights_ref is not None:
+                refs.remember(weights, weights_ref)
+            slots: dict[int, Any] = {}  # engine index -> its current client
+            replaced = [0]
 
-            def start(index: int, update, faults: str | None = None):
-                client = start_engine_actor(cfg, first if update is None else self._refs.ref(update), index=index,
-                                            engine_threads=engine_threads, faults=faults)
-                client.refs = self._refs
+            def restart(index: int, update):  # the router's replacement of a dead engine actor
+                old = slots.get(index)
+                if old is not None:
+                    old.close()  # perhaps only unreachable: never two actors for one slot
+                replaced[0] += 1
+                (client,) = start_engine_actors(cfg, refs.ref(update), [(index, index + n * replaced[0], None)],
+                                                engine_threads=engine_threads)
+                client.refs = refs
+                slots[index] = client
                 self._engine_actors.append(client.actor)
                 return client
 
-            clients = []
             try:
-                for i in range(1, cfg.rollout.num_engines):
-                    clients.append(start(i, None, engine_faults if i == 1 else None))
+                clients = start_engine_actors(cfg, refs.ref(weights),
+                                              [(i, i, engine_faults if i == 1 else None) for i in range(1, n)],
+                                              engine_threads=engine_threads)
             except Exception:
                 engine0.stop()
-                for c in clients:
-                    ray.kill(c.actor)
                 raise
-            engine_pids += [c._call("ready") for c in clients]
-            self.engine = EngineRouter([engine0, *clients], restart=lambda i, update: start(i, update),
-                                       max_restarts=cfg.runtime.max_engine_restarts)
+            for c in clients:
+                c.refs = refs
+                slots[c.index] = c
+                self._engine_actors.append(c.actor)
+            engine_pids += [c.pid for c in clients]
+            self.engine = EngineRouter([engine0, *clients], restart=restart, initial=weights,
+                                       max_restarts=cfg.runtime.max_engine_restarts,
+                                       max_batch_size=cfg.rollout.max_batch_size,
+                                       update_timeout_s=cfg.runtime.call_timeout_s)
         self.engine.start()
         self.reward_service = RewardService(reward_fn, timeout_s=cfg.reward.timeout_s,
                                             failure_score=cfg.reward.failure_score, max_workers=cfg.reward.workers,
@@ -481,9 +502,12 @@ class RolloutActor:
         if self._engine_actors:
             import ray
 
-            for a in self._engine_actors:
-                ray.kill(a)
-            self._engine_actors = []
+            actors, self._engine_actors = self._engine_actors, []
+            for a in actors:
+                try:
+                    ray.kill(a)
+                except Exception:  # already gone
+                    pass
 
 
 def _node_ip() -> str | None:
@@ -987,7 +1011,7 @@ class _ActorReviver:
             try:
                 actor, fresh = start_rollout_actor(self.cfg.runtime, logger=self.logger, faults=False)
                 weights = self.h.ray.put(self.trainer.weight_update())
-                info = fresh.call("setup", self.cfg, self.train_samples, weights, engine_threads=self.engine_threads,
+                info = fresh.call("setup", self.cfg, self.train_samples, [weights], engine_threads=self.engine_threads,
                                   track_partials=False, warmup_batches=self.trainer.critic_warmup_done,
                                   n_too_long=self.n_too_long, controller_state=self.snapshot)
                 if self.eta is not None:
@@ -996,6 +1020,10 @@ class _ActorReviver:
                     fresh.call("controller_start")
             except Exception as e:  # the death stands, with why the restart failed
                 log.error("%s; the restart failed: %s", why, e)
+                if fresh is not None:
+                    fresh.forward(timeout=10.0)  # the new actor's setup log into train.log
+                    self.h.ray.kill(actor)  # with its engine actors (owned by it)
+                    fresh = None
                 return False
             finally:
                 if fresh is not None:
@@ -1066,7 +1094,7 @@ def build_ray_rollout(cfg, trainer, train_samples, *, engine_threads: int, logge
     t0 = time.perf_counter()
     weights = ray.put(trainer.weight_update())
     try:
-        info = handle.call("setup", cfg, list(train_samples), weights, engine_threads=engine_threads,
+        info = handle.call("setup", cfg, list(train_samples), [weights], engine_threads=engine_threads,
                            track_partials=tracks_partials(trainer.proximal),
                            warmup_batches=trainer.critic_warmup_done, n_too_long=n_too_long,
                            controller_state=None if state is None else state["controller"],

@@ -40,7 +40,7 @@ from conveyor.rollout.engine.router import EngineDiedError, engine_seed
 log = logging.getLogger(__name__)
 
 __all__ = ["ENGINE_ACTOR_FAULTS_ENV", "EngineActor", "RayEngineClient", "WeightRefs", "build_local_engine",
-           "start_engine_actor"]
+           "start_engine_actors"]
 
 ENGINE_ACTOR_FAULTS_ENV = "CONVEYOR_ENGINE_ACTOR_FAULTS"
 """Environment variable of the driver whose value becomes ``CONVEYOR_FAULTS`` of the first engine
@@ -49,7 +49,7 @@ actor (:mod:`conveyor.faults`; e.g. ``kill@generate#40``)."""
 _FORWARDED_ENV = ("CONVEYOR_CACHE", "OMP_WAIT_POLICY", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
-def build_local_engine(cfg, weights, *, index: int, engine_threads: int, track_partials: bool):
+def build_local_engine(cfg, weights, *, seed_index: int, engine_threads: int, track_partials: bool):
     """An :class:`~conveyor.rollout.engine.InferenceEngine` in this process holding ``weights``
     (what :class:`~conveyor.runtime.ray.RolloutActor` and :class:`EngineActor` build).
 
@@ -60,7 +60,9 @@ def build_local_engine(cfg, weights, *, index: int, engine_threads: int, track_p
             from ``model.name`` / ``model.seed``. With LoRA it holds the merged adapted weights or
             the adapter factors, applied to that base model; with ``lora.sync=adapter`` the engine
             keeps the base weights of the adapted matrices to merge later adapters onto.
-        index: The engine's index (its sampling seed: :func:`~conveyor.rollout.engine.router.engine_seed`).
+        seed_index: Index of its sampling seed (:func:`~conveyor.rollout.engine.router.engine_seed`):
+            the engine's index, plus ``num_engines`` per replacement of that engine (a
+            replacement draws other random streams than the engine it replaces).
         engine_threads: Intra-op threads of its decode thread.
         track_partials: Keep request tokens for old-log-prob scoring.
 
@@ -92,7 +94,7 @@ def build_local_engine(cfg, weights, *, index: int, engine_threads: int, track_p
         p.requires_grad_(False)
     model_s = time.perf_counter() - t0
     engine = InferenceEngine(model, lm.tokenizer, version=weights.version, max_batch_size=cfg.rollout.max_batch_size,
-                             seed=engine_seed(cfg.run.seed, weights.version, index), num_threads=engine_threads,
+                             seed=engine_seed(cfg.run.seed, weights.version, seed_index), num_threads=engine_threads,
                              track_partials=track_partials, reencode_on_update=cfg.rollout.reencode_on_update,
                              dtype=getattr(torch, cfg.rollout.engine_dtype),
                              prefix_cache_tokens=cfg.rollout.prefix_cache_tokens, lora_base=lora_base)
@@ -101,7 +103,8 @@ def build_local_engine(cfg, weights, *, index: int, engine_threads: int, track_p
 
 class WeightRefs:
     """The object reference of the newest weights, so that one version is put into the object
-    store once and every engine actor reads the same object.
+    store once and every engine actor reads the same object (only the newest is kept: older
+    versions are released).
 
     Args:
         ray: The ``ray`` module.
@@ -110,20 +113,26 @@ class WeightRefs:
     def __init__(self, ray):
         self.ray = ray
         self._lock = threading.Lock()
-        self._update = None
+        self._version: int | None = None
         self._ref = None
 
     def remember(self, update, ref) -> None:
-        """``ref`` is the object holding ``update`` (put by the driver)."""
+        """``ref`` is the object holding ``update`` (put by the driver); kept unless a newer
+        version is already known."""
         with self._lock:
-            self._update, self._ref = update, ref
+            if self._version is None or update.version >= self._version:
+                self._version, self._ref = update.version, ref
 
     def ref(self, update):
-        """The object reference of ``update``: the remembered one, else ``ray.put`` once."""
+        """The object reference of ``update``: the remembered one for its version, else a
+        ``ray.put`` (remembered when it is the newest)."""
         with self._lock:
-            if update is not self._update:
-                self._update, self._ref = update, self.ray.put(update)
-            return self._ref
+            if update.version == self._version:
+                return self._ref
+            ref = self.ray.put(update)
+            if self._version is None or update.version > self._version:
+                self._version, self._ref = update.version, ref
+            return ref
 
 
 class EngineActor:
@@ -135,14 +144,14 @@ class EngineActor:
     def __init__(self):
         self.engine = None
 
-    def setup(self, cfg, weights, *, index: int, engine_threads: int) -> dict:
+    def setup(self, cfg, weights, *, seed_index: int, engine_threads: int) -> dict:
         """Build and start the engine holding ``weights`` (:func:`build_local_engine`).
 
         Returns:
             ``{"pid", "version", "model_seconds"}``.
         """
-        self.engine, _, model_s = build_local_engine(cfg, weights, index=index, engine_threads=engine_threads,
-                                                     track_partials=False)
+        self.engine, _, model_s = build_local_engine(cfg, weights, seed_index=seed_index,
+                                                     engine_threads=engine_threads, track_partials=False)
         self.engine.start()
         return {"pid": os.getpid(), "version": self.engine.version, "model_seconds": model_s}
 
@@ -178,47 +187,57 @@ class EngineActor:
         return self.engine.version
 
 
-def start_engine_actor(cfg, weights_ref, *, index: int, engine_threads: int, faults: str | None = None):
-    """Create an :class:`EngineActor` for engine ``index`` on the connected cluster and build its
-    engine from ``weights_ref`` (the object reference of a :class:`~conveyor.sync.WeightUpdate`).
+def start_engine_actors(cfg, weights_ref, engines: Sequence[tuple[int, int, str | None]], *,
+                        engine_threads: int) -> list[RayEngineClient]:
+    """Create one :class:`EngineActor` per entry of ``engines`` on the connected cluster and
+    build their engines from ``weights_ref`` (the object reference of a
+    :class:`~conveyor.sync.WeightUpdate`), all at once.
 
     Args:
         cfg: The run's :class:`~conveyor.config.TrainConfig` (``runtime.engine_num_cpus``,
             ``runtime.call_timeout_s``).
         weights_ref: The weights' object reference.
-        index: Engine index (>= 1).
-        engine_threads: Intra-op threads of its decode thread.
-        faults: ``CONVEYOR_FAULTS`` for the actor (chaos experiments), or None (none: an
-            inherited value is cleared).
+        engines: ``(index, seed_index, faults)`` per actor: the engine's index (>= 1), the index
+            of its sampling seed, and ``CONVEYOR_FAULTS`` for it (chaos experiments) or None
+            (an inherited value is cleared).
+        engine_threads: Intra-op threads of each decode thread.
 
     Returns:
-        A started :class:`RayEngineClient`.
+        Started :class:`RayEngineClient` objects, in the order of ``engines``.
 
     Raises:
-        EngineDiedError: the actor did not start or build within ``runtime.call_timeout_s``
-            (the message names the CPUs it asked for and the cluster's), or raised while building.
+        EngineDiedError: an actor did not start and build within ``runtime.call_timeout_s`` (the
+            message names the CPUs it asked for and the cluster's), or failed while building;
+            every actor of the call is then killed.
     """
     import ray
 
-    env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
-    env["CONVEYOR_FAULTS"] = faults or ""  # never the rollout actor's own chaos plan
     timeout = cfg.runtime.call_timeout_s
-    actor = ray.remote(EngineActor).options(
-        num_cpus=cfg.runtime.engine_num_cpus, max_concurrency=1000, runtime_env={"env_vars": env},
-        name=f"conveyor-engine{index}-{os.getpid()}-{uuid.uuid4().hex[:8]}").remote()
+    actors, setups = [], []
+    for index, seed_index, faults in engines:
+        env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+        env["CONVEYOR_FAULTS"] = faults or ""  # never the rollout actor's own chaos plan
+        actor = ray.remote(EngineActor).options(
+            num_cpus=cfg.runtime.engine_num_cpus, max_concurrency=1000, runtime_env={"env_vars": env},
+            name=f"conveyor-engine{index}-{os.getpid()}-{uuid.uuid4().hex[:8]}").remote()
+        actors.append(actor)
+        setups.append(actor.setup.remote(cfg, weights_ref, seed_index=seed_index, engine_threads=engine_threads))
     try:
-        info = ray.get(actor.setup.remote(cfg, weights_ref, index=index, engine_threads=engine_threads),
-                       timeout=timeout)
-    except ray.exceptions.GetTimeoutError:
-        ray.kill(actor)
-        raise EngineDiedError(f"engine actor {index} did not start within {timeout:.0f} s (runtime.call_timeout_s); it "
-                              f"asks for runtime.engine_num_cpus={cfg.runtime.engine_num_cpus} CPUs of the cluster's "
-                              f"{ray.cluster_resources().get('CPU', 0):g}") from None
-    except ray.exceptions.RayError as e:
-        ray.kill(actor)
-        raise EngineDiedError(f"engine actor {index} could not be built: {e}") from None
-    log.info("engine actor %d: pid %s, model loaded in %.1f s", index, info["pid"], info["model_seconds"])
-    return RayEngineClient(actor, index=index, version=info["version"], timeout_s=timeout)
+        infos = ray.get(setups, timeout=timeout)
+    except Exception as e:
+        for a in actors:
+            ray.kill(a)
+        if isinstance(e, ray.exceptions.GetTimeoutError):
+            raise EngineDiedError(
+                f"{len(actors)} engine actor(s) did not start within {timeout:.0f} s (runtime.call_timeout_s); each "
+                f"asks for runtime.engine_num_cpus={cfg.runtime.engine_num_cpus} CPUs of the cluster's "
+                f"{ray.cluster_resources().get('CPU', 0):g}") from None
+        raise EngineDiedError(f"engine actor(s) {[i for i, _, _ in engines]} could not be built: {e}") from None
+    clients = []
+    for (index, _, _), actor, info in zip(engines, actors, infos, strict=True):
+        log.info("engine actor %d: pid %s, model loaded in %.1f s", index, info["pid"], info["model_seconds"])
+        clients.append(RayEngineClient(actor, index=index, version=info["version"], timeout_s=timeout, pid=info["pid"]))
+    return clients
 
 
 class RayEngineClient:
@@ -232,18 +251,21 @@ class RayEngineClient:
         timeout_s: Seconds a control call or a generation may take (``runtime.call_timeout_s``).
         refs: The rollout actor's :class:`WeightRefs` (one object per version), or None
             (``ray.put`` per update).
+        pid: The actor's process id (logs).
 
     A dead actor raises :class:`~conveyor.rollout.engine.router.EngineDiedError` from every
     call (``stop`` only logs it); an actor that does not answer in ``timeout_s`` raises
     RuntimeError, never hangs.
     """
 
-    def __init__(self, actor, *, index: int, version: int, timeout_s: float, refs: WeightRefs | None = None):
+    def __init__(self, actor, *, index: int, version: int, timeout_s: float, refs: WeightRefs | None = None,
+                 pid: int | None = None):
         import ray
 
         self.ray = ray
         self.actor = actor
         self.index = index
+        self.pid = pid
         self.timeout_s = timeout_s
         self.refs = refs
         self._version = version
@@ -251,6 +273,9 @@ class RayEngineClient:
 
     def _error(self, method: str, e: BaseException) -> BaseException:
         ray = self.ray
+        unavailable = getattr(ray.exceptions, "ActorUnavailableError", ())
+        if unavailable and isinstance(e, unavailable):  # unreachable for now, not known dead
+            return RuntimeError(f"engine actor {self.index} is unavailable during {method}(): {e}")
         if isinstance(e, ray.exceptions.RayActorError):
             return EngineDiedError(f"engine actor {self.index} died during {method}(): "
                                    f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
@@ -289,6 +314,13 @@ class RayEngineClient:
         except EngineDiedError as e:
             log.warning("%s", e)
 
+    def close(self) -> None:
+        """Kill the actor (its engine and its CPUs released; idempotent)."""
+        try:
+            self.ray.kill(self.actor)
+        except Exception as e:  # already gone
+            log.debug("engine actor %d: kill: %s", self.index, e)
+
     def pause(self) -> None:
         """Pause the engine (returns when its current forward pass has finished)."""
         self._call("control", "pause")
@@ -324,7 +356,11 @@ class RayEngineClient:
 
         inner.add_done_callback(done)
         if wait:
-            out.result(timeout=self.timeout_s)
+            try:
+                out.result(timeout=self.timeout_s)
+            except concurrent.futures.TimeoutError:
+                raise RuntimeError(f"engine actor {self.index} did not apply weight version {update.version} within "
+                                   f"{self.timeout_s:.0f} s (runtime.call_timeout_s)") from None
         return out
 
     def partial_requests(self, *, require_pause: bool = True) -> list:
@@ -347,5 +383,12 @@ class RayEngineClient:
         ref = self.actor.generate.remote(list(prompt_ids), params, priority)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout=self.timeout_s)
-        except Exception as e:
+        except BaseException as e:
+            if isinstance(e, (asyncio.CancelledError, TimeoutError)):
+                try:  # the actor drops the request instead of generating it for nobody
+                    self.ray.cancel(ref)
+                except Exception:
+                    pass
+            if isinstance(e, asyncio.CancelledError):
+                raise
             raise self._error("generate", e) from None

@@ -12,20 +12,26 @@ generated it. What the router adds:
   group) or whose prompt extends a generation it routed (the next turn of a tool or agent
   episode: ``prompt + response + observation``) goes to the engine that served it, so that
   engine's prefix cache and identical-prompt prefill deduplication apply, as long as that engine
-  has at most ``affinity_slack`` more requests in flight than the least loaded one. Routing is
-  only a matter of speed: an engine samples each request from its own random stream, and the
-  result does not depend on which engine ran it (within float rounding).
+  has at most ``affinity_slack`` more requests in flight than the least loaded one. An episode's
+  earlier turn is recognised by the length and the last ``AFFINITY_TAIL`` tokens of its prompt +
+  response (a false match only misroutes). Routing changes speed, not the sampling distribution;
+  the sampled tokens do depend on it (each engine draws from its own random streams, in arrival
+  order), so a run with several engines is not reproducible token for token.
 * **Weights** go to every engine (:meth:`update_weights`; the future resolves when all have
   them); :attr:`version` is the lowest version among the engines.
 * **Control**: start / stop / pause / resume reach every engine (in parallel); :meth:`stats` sums
   the counters (``num_engines`` and the per-engine ``engines`` list added; ``busy_seconds`` is the
   sum of engine-seconds, which :class:`~conveyor.runtime.record.RunClock` divides by
-  ``num_engines``).
+  ``num_engines``). :meth:`waiting_requests` estimates the engines' queues from the router's own
+  counts, without asking the engines (the controller's engine-aware admission calls it on its
+  event loop).
 * **Faults**: an engine that raises :class:`EngineDiedError` (its process is gone: a Ray engine
   actor) is replaced by ``restart(index, update)`` (``max_restarts`` times per router), built at
   the newest weights the router has sent; the requests it had in flight are generated again on
   a live engine (``router_resubmitted``). A request lost with an engine is regenerated from its
   prompt: its tokens are sampled anew at the current version (never a mixture of two attempts).
+  An engine that fails otherwise (a crashed decode thread raises RuntimeError) fails its requests,
+  as a single engine would: a crash is surfaced, not routed around.
 
 Not supported with more than one engine: old-log-prob scoring of partial requests
 (``proximal.method=partial_sync`` / ``dedicated``, refused by the config: request keys are per
@@ -35,6 +41,7 @@ engine) and elastic threads (``rollout.elastic_threads``, refused by the config)
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import logging
 import threading
@@ -46,7 +53,15 @@ from conveyor.rollout.engine.types import GenerationOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CUMULATIVE_ENGINE_STATS", "EngineDiedError", "EngineRouter", "engine_seed", "merge_engine_stats"]
+__all__ = ["AFFINITY_TAIL", "CUMULATIVE_ENGINE_STATS", "EngineDiedError", "EngineRouter", "engine_seed",
+           "merge_engine_stats"]
+
+AFFINITY_TAIL = 32
+"""Tokens at the end of a routed prompt + response that (with its length) identify it when a later
+prompt extends it (an episode's next turn)."""
+
+_AFFINITY_SCAN = 64
+"""Remembered lengths below a prompt's length checked for an earlier turn, longest first."""
 
 CUMULATIVE_ENGINE_STATS = frozenset({
     "busy_seconds", "prefill_seconds", "sample_seconds", "generated_tokens", "prefill_tokens", "reencoded_tokens",
@@ -109,9 +124,16 @@ class EngineRouter:
     Args:
         engines: The engines (at least one), all at the same version with the same weights.
         restart: ``(index, update) -> Engine``: a replacement for engine ``index`` that died,
-            already holding ``update`` (the newest :class:`~conveyor.sync.WeightUpdate` sent, or
-            None before the first) and not started; None: a dead engine is not replaced (its
-            slot stays out of rotation; the run continues while another engine lives).
+            holding ``update`` (the newest :class:`~conveyor.sync.WeightUpdate` sent, else
+            ``initial``), started or not (the router starts it when it runs); None: a dead engine
+            is not replaced (its slot stays out of rotation; the run continues while another
+            engine lives). A replacement that fails after it was built is closed (its ``close``,
+            else ``stop``).
+        initial: The weights the engines hold now (what a replacement is built from before the
+            first update), or None.
+        max_batch_size: Each engine's decode batch (:meth:`waiting_requests`), or None.
+        update_timeout_s: Seconds :meth:`update_weights` waits for every engine before it
+            raises, or None (no limit).
         max_restarts: Replacements per router at most.
         affinity_slack: Requests in flight by which an engine that served a prompt (or its
             earlier turn) may exceed the least loaded engine and still get the request.
@@ -123,7 +145,8 @@ class EngineRouter:
     """
 
     def __init__(self, engines: Sequence[Any], *, restart: Callable[[int, Any], Any] | None = None,
-                 max_restarts: int = 2, affinity_slack: int = 8, affinity_entries: int = 4096):
+                 initial: Any = None, max_restarts: int = 2, affinity_slack: int = 8, affinity_entries: int = 4096,
+                 max_batch_size: int | None = None, update_timeout_s: float | None = None):
         if not engines:
             raise ValueError("EngineRouter needs at least one engine")
         if max_restarts < 0 or affinity_slack < 0 or affinity_entries < 1:
@@ -143,7 +166,9 @@ class EngineRouter:
         self._restart_locks = [threading.Lock() for _ in range(n)]
         self._offset: list[dict[str, float]] = [{} for _ in range(n)]  # counters of replaced engines
         self._last_stats: list[dict | None] = [None] * n
-        self._last_update = None
+        self._last_update = initial if restart is not None else None  # kept only to build replacements
+        self.max_batch_size = max_batch_size
+        self.update_timeout_s = update_timeout_s
         self._started = False
         self._paused = False
         self.restarts = 0
@@ -152,6 +177,7 @@ class EngineRouter:
         self._prompt_slot: OrderedDict[int, int] = OrderedDict()  # hash(prompt) -> slot
         self._cont_slot: OrderedDict[tuple[int, int], int] = OrderedDict()  # (length, hash) -> slot
         self._cont_lengths: Counter[int] = Counter()
+        self._lengths: list[int] = []  # the keys of _cont_lengths, sorted
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="engine-router")
 
     # ------------------------------------------------------------------ properties
@@ -228,14 +254,17 @@ class EngineRouter:
 
     def stats(self) -> dict[str, Any]:
         """The engines' counters merged (:func:`merge_engine_stats`; a replaced engine's
-        cumulative counters carried into its successor's), plus ``num_engines``, ``engines``
+        cumulative counters as last read before its death carried into its successor's, its
+        profiles not), plus ``num_engines``, ``engines``
         (each engine's own dict), ``engine_restarts``, ``router_resubmitted`` (requests run again
         after their engine died) and ``routed_by_affinity`` (requests sent to the engine that
         served their prompt or its earlier turn)."""
         per = []
-        for i, e in enumerate(self._engines):
+        with self._lock:
+            slots = [(i, e, self._gen[i], i in self._down) for i, e in enumerate(self._engines)]
+        for i, e, gen, down in slots:
             st = None
-            if i not in self._down:
+            if not down:
                 try:
                     st = dict(e.stats())
                     for k, v in self._offset[i].items():
@@ -243,9 +272,9 @@ class EngineRouter:
                     self._last_stats[i] = st
                 except EngineDiedError as err:
                     log.warning("engine %d: stats() found it dead: %s", i, err)
-                    self._replace_later(i, self._gen[i], str(err))
-            if st is None:
-                st = dict(self._last_stats[i] or {})
+                    self._replace_later(i, gen, str(err))
+            if st is None:  # a dead engine: its counters so far, no requests running or waiting
+                st = {k: v for k, v in (self._last_stats[i] or {}).items() if k in CUMULATIVE_ENGINE_STATS}
             per.append(st)
         out = merge_engine_stats(per)
         out["num_engines"] = len(self._engines)
@@ -255,6 +284,15 @@ class EngineRouter:
             out["router_resubmitted"] = self.resubmitted
             out["routed_by_affinity"] = self.routed_by_affinity
         return out
+
+    def waiting_requests(self) -> int:
+        """Requests waiting in the engines' queues, estimated from the router's own counts
+        (requests in flight on an engine beyond its ``max_batch_size``); asks no engine.
+        Without ``max_batch_size``: the engines' ``stats()["waiting"]`` summed."""
+        if self.max_batch_size is None:
+            return int(self.stats().get("waiting", 0))
+        with self._lock:
+            return sum(max(0, n - self.max_batch_size) for i, n in enumerate(self._inflight) if i not in self._down)
 
     def update_weights(self, update, *, wait: bool = True) -> concurrent.futures.Future:
         """Send ``update`` to every engine.
@@ -271,9 +309,11 @@ class EngineRouter:
         Raises:
             ValueError / KeyError / TypeError: an engine refused the update (the engines are
                 identical, so each refuses it).
+            TimeoutError: ``wait`` and not every engine applied it within ``update_timeout_s``.
         """
         with self._lock:
-            self._last_update = update
+            if self._restart is not None:
+                self._last_update = update
             targets = [(i, e) for i, e in enumerate(self._engines) if i not in self._down]
             gens = list(self._gen)
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -306,7 +346,11 @@ class EngineRouter:
                 f.set_exception(err)
             f.add_done_callback(lambda f, i=i: finished(i, f))
         if wait:
-            done.result()
+            try:
+                done.result(timeout=self.update_timeout_s)
+            except concurrent.futures.TimeoutError:
+                raise TimeoutError(f"weight update to version {update.version}: not every engine applied it within "
+                                   f"{self.update_timeout_s:.0f} s") from None
         return done
 
     def partial_requests(self, *, require_pause: bool = True) -> list:
@@ -320,16 +364,20 @@ class EngineRouter:
                                   "dedicated) needs rollout.num_engines=1")
 
     # ------------------------------------------------------------------ routing
-    def _affine(self, prompt: list[int]) -> int | None:
-        slot = self._prompt_slot.get(hash(tuple(prompt)))
+    @staticmethod
+    def _cont_key(seq: list[int], length: int) -> tuple[int, int]:
+        return length, hash(tuple(seq[max(0, length - AFFINITY_TAIL):length]))
+
+    def _affine(self, prompt: list[int], key: int) -> int | None:
+        slot = self._prompt_slot.get(key)
         if slot is not None:
             return slot
-        n = len(prompt)
-        for length in sorted(self._cont_lengths, reverse=True):
-            if length < n:
-                slot = self._cont_slot.get((length, hash(tuple(prompt[:length]))))
-                if slot is not None:
-                    return slot
+        lengths = self._lengths
+        i = bisect.bisect_left(lengths, len(prompt))  # lengths below the prompt's, longest first
+        for length in reversed(lengths[max(0, i - _AFFINITY_SCAN):i]):
+            slot = self._cont_slot.get(self._cont_key(prompt, length))
+            if slot is not None:
+                return slot
         return None
 
     def _choose(self, prompt: list[int]) -> int | None:
@@ -338,13 +386,13 @@ class EngineRouter:
         if not live:
             return None
         least = min(live, key=lambda i: (self._inflight[i], i))
-        pref = self._affine(prompt)
+        key = hash(tuple(prompt))
+        pref = self._affine(prompt, key)
         if pref is not None and pref not in self._down and self._inflight[pref] <= self._inflight[least] + self.affinity_slack:
             self.routed_by_affinity += 1
             chosen = pref
         else:
             chosen = least
-        key = hash(tuple(prompt))
         self._prompt_slot[key] = chosen
         self._prompt_slot.move_to_end(key)
         while len(self._prompt_slot) > self._entries:
@@ -353,10 +401,12 @@ class EngineRouter:
 
     def _remember(self, prompt: list[int], response: Sequence[int], slot: int) -> None:
         seq = prompt + list(response)
-        key = (len(seq), hash(tuple(seq)))
+        key = self._cont_key(seq, len(seq))
         with self._lock:
             if key not in self._cont_slot:
                 self._cont_lengths[key[0]] += 1
+                if self._cont_lengths[key[0]] == 1:
+                    bisect.insort(self._lengths, key[0])
             self._cont_slot[key] = slot
             self._cont_slot.move_to_end(key)
             while len(self._cont_slot) > self._entries:
@@ -364,6 +414,7 @@ class EngineRouter:
                 self._cont_lengths[length] -= 1
                 if not self._cont_lengths[length]:
                     del self._cont_lengths[length]
+                    del self._lengths[bisect.bisect_left(self._lengths, length)]
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
                        priority: int | None = None) -> GenerationOutput:
@@ -422,18 +473,19 @@ class EngineRouter:
             with self._lock:
                 if self._gen[slot] != gen:
                     return slot not in self._dead
+                self._down.add(slot)
                 if self._restart is None or self.restarts >= self.max_restarts:
-                    self._down.add(slot)
                     self._dead.add(slot)
+                    self._gen[slot] += 1  # requests that died there with it do not try again
                     log.error("engine %d died (%s); not replaced (%s)", slot, why,
                               "no restart" if self._restart is None else f"{self.max_restarts} restarts used up")
                     return False
-                self._down.add(slot)
                 self.restarts += 1
                 update = self._last_update
                 old_stats = self._last_stats[slot]
             log.warning("engine %d died (%s); starting a replacement (%d of %d)", slot, why, self.restarts,
                         self.max_restarts)
+            new = None
             try:
                 new = self._restart(slot, update)
                 if self._started:
@@ -450,11 +502,22 @@ class EngineRouter:
                             self._engines[slot] = new
                             self._gen[slot] += 1
                             self._down.discard(slot)
-                            return True
+                            self._dead.discard(slot)
+                            started = self._started
+                            break
                     new.update_weights(latest, wait=True)
                     update = latest
             except Exception as e:
                 log.error("engine %d: the replacement failed: %s", slot, e)
                 with self._lock:
                     self._dead.add(slot)
+                    self._gen[slot] += 1
+                if new is not None:
+                    try:
+                        getattr(new, "close", new.stop)()
+                    except Exception:
+                        log.exception("engine %d: closing the failed replacement", slot)
                 return False
+        if not started:  # the router was stopped while the replacement was built
+            new.stop()
+        return True
