@@ -5,8 +5,8 @@ calibrated 1-engine run (issue 12, section 4, "Scaling"). Every figure is measur
 Usage: python benchmarks/engine_scaling.py [--model tiny|smollm2-135m-instruct] [--runtime ray|inline]
        [--engines 1,2] [--steps 6] [--rounds 1] [--set KEY=VALUE ...] [--quick] [--json FILE.json]
 
-``--quick``: the tiny model, 1 step, 1 round, the inline runtime unless ``--runtime`` is given
-(the test that the script runs).
+``--quick``: the tiny model, 1 step of 16 trajectories, 1 round, the inline runtime unless
+``--runtime`` is given (the test that the script runs).
 
 **Measured.** The same ``conveyor train`` job (no evaluations, no export, no final checkpoint) per
 engine count, as separate processes, rounds in alternating order (1, 2, 2, 1, ...). Per run, from
@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.model, args.steps, args.rounds = "tiny", 1, 1
         args.runtime = args.runtime or "inline"
+        args.set = ["trainer.batch_size=4", "rollout.group_size=4", *args.set]  # 16 trajectories per update
     args.runtime = args.runtime or "ray"
     counts = [int(x) for x in args.engines.split(",")]
     if counts[0] != 1:

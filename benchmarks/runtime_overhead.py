@@ -4,7 +4,8 @@ Ray's object store and through disk (issue 12, section 4), every figure measured
 Usage: python benchmarks/runtime_overhead.py [--model tiny|smollm2-135m-instruct] [--steps 6]
        [--rounds 2] [--set KEY=VALUE ...] [--quick] [--json FILE.json]
 
-``--quick``: the tiny model, 1 step, 1 round, 2 sync repeats (the test that the script runs).
+``--quick``: the tiny model, 1 step of 16 trajectories, 1 round, 2 sync repeats (the test that
+the script runs).
 
 **Overhead.** The same ``conveyor train`` job (no evaluations, no export, no final checkpoint;
 ``runtime.num_cpus=2``) is run ``--rounds`` times per runtime, as separate processes, in the
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.quick:
         args.model, args.steps, args.rounds = "tiny", 1, 1
+        args.set = ["trainer.batch_size=4", "rollout.group_size=4", *args.set]  # 16 trajectories per update
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
