@@ -223,6 +223,9 @@ def test_two_engines_behind_the_router_share_the_rollouts(tmp_path):
         assert r["staleness/max"] <= 1 and 0.0 <= r["busy/engine"] <= 1.0
     groups = [g["group"] for r in trained_groups(run) for g in r["groups"]]
     assert len(groups) == len(set(groups)) == 3 * 4
+    from conveyor.simulate import calibrate
+
+    assert calibrate(run).rollout.workers == 2  # the simulator models the run's engines
 
 
 def test_two_engines_refuse_partial_request_scoring():
