@@ -256,8 +256,33 @@ def test_bad_arguments_are_refused():
         EngineRouter([])
     with pytest.raises(ValueError, match="max_restarts"):
         EngineRouter([FakeEngine(0)], max_restarts=-1)
-    with pytest.raises(NotImplementedError, match="num_engines=1"):
-        EngineRouter([FakeEngine(0)]).partial_requests()
+
+
+def test_partial_requests_are_gathered_and_scoring_is_split_over_the_engines():
+    from conveyor.rollout.old_logprobs import ScoringItem
+
+    class Scoring(FakeEngine):
+        def __init__(self, name):
+            super().__init__(name)
+            self.scored: list[int] = []
+
+        def partial_requests(self, *, require_pause=True):
+            return [f"{self.name}:a", f"{self.name}:b"]
+
+        def score_old_logprobs(self, spec, items, version=None):
+            self.scored += [len(it.token_ids) for it in items]
+            return [(self.name, len(it.token_ids)) for it in items], sum(len(it.token_ids) for it in items)
+
+    a, b = Scoring(0), Scoring(1)
+    r = EngineRouter([a, b])
+    assert r.partial_requests() == ["0:a", "0:b", "1:a", "1:b"]
+    items = [ScoringItem(prompt_ids=[1], token_ids=[2] * n, versions=[0] * n, spans=[(f"k{n}", 0, n)])
+             for n in (9, 1, 5, 4)]
+    patches, scored = r.score_old_logprobs(None, items, 0)
+    assert scored == 19 and sorted(p[1] for p in patches) == [1, 4, 5, 9]
+    # longest (prompt + tokens) first, each to the engine with fewer tokens so far:
+    # 10 -> a (10, 0), 6 -> b (10, 6), 5 -> b (10, 11), 2 -> a (12, 11)
+    assert a.scored == [9, 1] and b.scored == [5, 4]
 
 
 def test_a_replacement_that_fails_is_closed_and_not_tried_again_by_the_other_requests():
@@ -341,3 +366,51 @@ def test_a_weight_update_that_an_engine_never_applies_times_out():
     r = EngineRouter([a, Stuck(1)], update_timeout_s=0.2)
     with pytest.raises(TimeoutError, match="version 3"):
         r.update_weights(Update(3))
+
+
+def test_two_real_engines_pause_together_and_score_every_partial_request_as_one_engine_would(tiny):
+    # partial_sync over two engines: the requests in flight on both are gathered at the pause
+    # (keys unique across engines) and the items scored on both give the same patches as one
+    # engine scoring all of them
+    import copy
+
+    from conveyor.rollout.engine import InferenceEngine, SamplingParams
+    from conveyor.runtime.publish import scoring_items
+    from conveyor.trainer.logprobs import ScoringSpec
+
+    engines = [InferenceEngine(copy.deepcopy(tiny.model).eval(), tiny.tokenizer, seed=i, track_partials=True,
+                               num_threads=1) for i in range(2)]
+    r = EngineRouter(engines)
+    r.start()
+    params = SamplingParams(max_new_tokens=400, ignore_eos=True, temperature=1.0)
+
+    async def go():
+        tasks = [asyncio.create_task(r.generate([5 + i, 6, 7, 8], params)) for i in range(4)]  # 2 per engine
+        while min(e.stats()["generated_tokens"] for e in engines) < 12:
+            await asyncio.sleep(0.005)
+        r.pause()
+        try:
+            partials = r.partial_requests()
+            items = scoring_items(partials, [])
+            spec = ScoringSpec(temperature=1.0, bf16=False, autocast_weight_cache=False, chunk_tokens=4096,
+                               micro_batch_tokens=4096, pack_row_tokens=512)
+            split = r.score_old_logprobs(spec, items)
+            alone = engines[0].score_old_logprobs(spec, items)
+        finally:
+            r.stop()
+        await asyncio.gather(*tasks)
+        return partials, split, alone
+
+    try:
+        partials, (patches, n), (patches1, n1) = run(go())
+    finally:
+        r.close()
+    engine_ids = {p.key.split(":")[0] for p in partials}
+    assert len(engine_ids) == 2 and len({p.key for p in partials}) == len(partials) == 4
+    assert n == n1 == sum(len(p.token_ids) for p in partials) > 0
+    by_key = {p.key: p for p in patches1}
+    assert len(patches) == len(patches1)
+    for p in patches:
+        q = by_key[p.key]
+        assert p.start == q.start and p.version == q.version == 0
+        assert p.values == pytest.approx(q.values, abs=1e-5)

@@ -140,14 +140,18 @@ def test_eta_zero_ray_trains_on_the_same_batches_with_the_same_loss_as_inline(tm
 
 
 def test_partial_sync_under_ray_covers_every_stale_token_and_resumes(tmp_path, cluster):
+    # two engines: engine 0 in the rollout actor, engine 1 an engine actor; the partial requests of
+    # both are gathered at each publish and scored on both
     run = tmp_path / "r"
     cfg = load_config(None, BASE + RAY + NO_EVAL + [
         "trainer.total_steps=3", "async.eta=2", f"run.dir={run}", "proximal.method=partial_sync",
-        "loss.name=two_ratio", "run.checkpoint_every=2", "run.keep_checkpoints=2"])
+        "loss.name=two_ratio", "run.checkpoint_every=2", "run.keep_checkpoints=2", "rollout.num_engines=2"])
     run_training(cfg)
     rows = rows_of(run / "metrics.jsonl")
     assert len(rows) == 3
-    # every token older than the trainer's version was scored in the actor when its version was retired
+    stats = json.loads((run / "engine_stats.json").read_text())
+    assert stats["num_engines"] == 2 and min(e["generated_tokens"] for e in stats["engines"]) > 0
+    # every token older than the trainer's version was scored when its version was retired
     assert all(r["proximal/partial_sync_missing_frac"] == 0.0 for r in rows)
     assert sum(r["proximal/partial_sync_tokens"] for r in rows) > 0
     # --resume from the Ray run's step_2 (its buffered trajectories and patches in the checkpoint)

@@ -168,11 +168,12 @@ def test_env_latency_workflow_waits_and_records():
         EnvLatencyWorkflow(Inner(), median_s=0.0)
 
 
-@pytest.mark.parametrize("tool", ["none", "calculator"])  # tool episodes: several requests each
-def test_partial_sync_run_covers_every_stale_token(tmp_path, tool):
+# tool episodes: several requests each; two engines: the requests gathered from both, scored on both
+@pytest.mark.parametrize("tool, engines", [("none", 1), ("calculator", 1), ("calculator", 2)])
+def test_partial_sync_run_covers_every_stale_token(tmp_path, tool, engines):
     cfg = load_config(None, BASE + ["trainer.total_steps=4", "async.eta=2", f"run.dir={tmp_path / 'r'}",
                                     "run.eval_before=false", "run.eval_after=false", "proximal.method=partial_sync",
-                                    "loss.name=two_ratio", f"rollout.tool={tool}"])
+                                    "loss.name=two_ratio", f"rollout.tool={tool}", f"rollout.num_engines={engines}"])
     run_training(cfg)
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4
@@ -181,13 +182,15 @@ def test_partial_sync_run_covers_every_stale_token(tmp_path, tool):
     assert sum(r["proximal/partial_sync_tokens"] for r in rows) > 0
     assert max(r["staleness/max"] for r in rows) >= 1  # stale data was actually trained
     assert all(r["time/partial_sync_s"] > 0 for r in rows)
+    stats = json.loads((tmp_path / "r" / "engine_stats.json").read_text())
+    assert [e["generated_tokens"] > 0 for e in stats.get("engines", [stats])] == [True] * engines
 
 
-@pytest.mark.parametrize("tool", ["none", "calculator"])
-def test_dedicated_old_logit_worker_run_covers_every_stale_token(tmp_path, tool):
+@pytest.mark.parametrize("tool, engines", [("none", 1), ("calculator", 1), ("none", 2)])
+def test_dedicated_old_logit_worker_run_covers_every_stale_token(tmp_path, tool, engines):
     cfg = load_config(None, BASE + ["trainer.total_steps=4", "async.eta=2", f"run.dir={tmp_path / 'r'}",
                                     "run.eval_before=false", "run.eval_after=false", "proximal.method=dedicated",
-                                    f"rollout.tool={tool}"])
+                                    f"rollout.tool={tool}", f"rollout.num_engines={engines}"])
     run_training(cfg)
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4
@@ -228,8 +231,6 @@ def test_two_engines_behind_the_router_share_the_rollouts(tmp_path):
     assert calibrate(run).rollout.workers == 2  # the simulator models the run's engines
 
 
-def test_two_engines_refuse_partial_request_scoring():
-    with pytest.raises(Exception, match="rollout.num_engines"):
-        load_config(None, BASE + ["rollout.num_engines=2", "proximal.method=partial_sync"])
+def test_two_engines_refuse_elastic_threads():
     with pytest.raises(Exception, match="rollout.num_engines"):
         load_config(None, BASE + ["rollout.num_engines=2", "rollout.elastic_threads=true"])

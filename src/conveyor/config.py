@@ -607,10 +607,6 @@ class TrainConfig(_Strict):
             raise ValueError("rollout.elastic_threads=true needs runtime.name=inline (the engine borrows the "
                              "trainer's threads in one process; a Ray actor's engine has its own CPUs)")
         if self.rollout.num_engines > 1:
-            if self.proximal.method in ("partial_sync", "dedicated"):
-                raise ValueError(f"proximal.method={self.proximal.method} with rollout.num_engines="
-                                 f"{self.rollout.num_engines}: scoring partial requests at a weight update needs "
-                                 "one engine (rollout.num_engines=1), or another proximal.method")
             if self.rollout.elastic_threads:
                 raise ValueError(f"rollout.elastic_threads=true with rollout.num_engines={self.rollout.num_engines}: "
                                  "the trainer's threads are lent to one engine; set one of them back")

@@ -244,8 +244,6 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
     for p in engine_model.parameters():
         p.requires_grad_(False)
     n_engines = cfg.rollout.num_engines
-    if n_engines > 1 and tracks_partials(trainer.proximal):
-        raise ValueError(f"proximal.method={trainer.proximal.name} needs rollout.num_engines=1")
     # rollout.num_engines > 1: further engines, each with its own copy (taken before engine 0
     # may convert its model to rollout.engine_dtype)
     models = [engine_model] + [copy.deepcopy(engine_model) for _ in range(n_engines - 1)]

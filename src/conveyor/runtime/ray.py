@@ -290,7 +290,7 @@ class RolloutActor:
                     old.close()  # perhaps only unreachable: never two actors for one slot
                 replaced[0] += 1
                 (client,) = start_engine_actors(cfg, refs.ref(update), [(index, index + n * replaced[0], None)],
-                                                engine_threads=engine_threads)
+                                                engine_threads=engine_threads, track_partials=track_partials)
                 client.refs = refs
                 slots[index] = client
                 self._engine_actors.append(client.actor)
@@ -299,7 +299,7 @@ class RolloutActor:
             try:
                 clients = start_engine_actors(cfg, refs.ref(weights),
                                               [(i, i, engine_faults if i == 1 else None) for i in range(1, n)],
-                                              engine_threads=engine_threads)
+                                              engine_threads=engine_threads, track_partials=track_partials)
             except Exception:
                 engine0.stop()
                 raise

@@ -144,14 +144,15 @@ class EngineActor:
     def __init__(self):
         self.engine = None
 
-    def setup(self, cfg, weights, *, seed_index: int, engine_threads: int) -> dict:
-        """Build and start the engine holding ``weights`` (:func:`build_local_engine`).
+    def setup(self, cfg, weights, *, seed_index: int, engine_threads: int, track_partials: bool = False) -> dict:
+        """Build and start the engine holding ``weights`` (:func:`build_local_engine`;
+        ``track_partials``: keep request tokens for old-log-prob scoring).
 
         Returns:
             ``{"pid", "version", "model_seconds"}``.
         """
         self.engine, _, model_s = build_local_engine(cfg, weights, seed_index=seed_index,
-                                                     engine_threads=engine_threads, track_partials=False)
+                                                     engine_threads=engine_threads, track_partials=track_partials)
         self.engine.start()
         return {"pid": os.getpid(), "version": self.engine.version, "model_seconds": model_s}
 
@@ -182,13 +183,21 @@ class EngineActor:
         """:meth:`InferenceEngine.stats`."""
         return self.engine.stats()
 
+    def partial_requests(self, require_pause: bool) -> list:
+        """:meth:`InferenceEngine.partial_requests`."""
+        return self.engine.partial_requests(require_pause=require_pause)
+
+    async def score_old_logprobs(self, spec, items: list, version: int | None):
+        """:meth:`InferenceEngine.score_old_logprobs` (off the event loop: forward passes)."""
+        return await asyncio.to_thread(self.engine.score_old_logprobs, spec, items, version)
+
     def version(self) -> int:
         """The engine's policy version."""
         return self.engine.version
 
 
 def start_engine_actors(cfg, weights_ref, engines: Sequence[tuple[int, int, str | None]], *,
-                        engine_threads: int) -> list[RayEngineClient]:
+                        engine_threads: int, track_partials: bool = False) -> list[RayEngineClient]:
     """Create one :class:`EngineActor` per entry of ``engines`` on the connected cluster and
     build their engines from ``weights_ref`` (the object reference of a
     :class:`~conveyor.sync.WeightUpdate`), all at once.
@@ -201,6 +210,8 @@ def start_engine_actors(cfg, weights_ref, engines: Sequence[tuple[int, int, str 
             of its sampling seed, and ``CONVEYOR_FAULTS`` for it (chaos experiments) or None
             (an inherited value is cleared).
         engine_threads: Intra-op threads of each decode thread.
+        track_partials: The engines keep request tokens for old-log-prob scoring
+            (``proximal.method=partial_sync`` / ``dedicated``).
 
     Returns:
         Started :class:`RayEngineClient` objects, in the order of ``engines``.
@@ -221,7 +232,8 @@ def start_engine_actors(cfg, weights_ref, engines: Sequence[tuple[int, int, str 
             num_cpus=cfg.runtime.engine_num_cpus, max_concurrency=1000, runtime_env={"env_vars": env},
             name=f"conveyor-engine{index}-{os.getpid()}-{uuid.uuid4().hex[:8]}").remote()
         actors.append(actor)
-        setups.append(actor.setup.remote(cfg, weights_ref, seed_index=seed_index, engine_threads=engine_threads))
+        setups.append(actor.setup.remote(cfg, weights_ref, seed_index=seed_index, engine_threads=engine_threads,
+                                         track_partials=track_partials))
     try:
         infos = ray.get(setups, timeout=timeout)
     except Exception as e:
@@ -364,14 +376,22 @@ class RayEngineClient:
         return out
 
     def partial_requests(self, *, require_pause: bool = True) -> list:
-        """Not available on an engine actor (``proximal.method=partial_sync`` / ``dedicated`` need
-        ``rollout.num_engines=1``; the config refuses the combination).
+        """The engine's requests with tokens (copies; the actor was set up with
+        ``track_partials``), for old-log-prob scoring.
 
         Raises:
-            NotImplementedError: always.
+            RuntimeError: ``require_pause`` and the engine is running (as the engine raises it).
         """
-        raise NotImplementedError("partial requests of an engine actor: proximal.method=partial_sync / dedicated "
-                                  "need rollout.num_engines=1")
+        return self._call("partial_requests", require_pause)
+
+    def score_old_logprobs(self, spec, items, version: int | None = None):
+        """The paused engine actor scores ``items`` with its weights
+        (:meth:`InferenceEngine.score_old_logprobs`).
+
+        Returns:
+            ``(patches, tokens scored)``.
+        """
+        return self._call("score_old_logprobs", spec, list(items), version)
 
     async def generate(self, prompt_ids: Sequence[int], params=None, *, priority: int | None = None):
         """One generation in the engine actor; awaitable from any event loop.

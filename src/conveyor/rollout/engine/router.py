@@ -33,9 +33,13 @@ generated it. What the router adds:
   An engine that fails otherwise (a crashed decode thread raises RuntimeError) fails its requests,
   as a single engine would: a crash is surfaced, not routed around.
 
-Not supported with more than one engine: old-log-prob scoring of partial requests
-(``proximal.method=partial_sync`` / ``dedicated``, refused by the config: request keys are per
-engine) and elastic threads (``rollout.elastic_threads``, refused by the config).
+Old-log-prob scoring of partial requests (``proximal.method=partial_sync`` / ``dedicated``):
+:meth:`partial_requests` gathers every engine's (request keys are unique across engines) and
+:meth:`score_old_logprobs` splits the items over the paused engines, which score in parallel. The
+requests of an engine that dies are generated again (new keys); its finished requests not yet
+collected are lost to the next publish's scoring and counted as missing
+(``proximal/partial_sync_missing_frac``). Not supported with more than one engine: elastic
+threads (``rollout.elastic_threads``, refused by the config).
 """
 
 from __future__ import annotations
@@ -354,14 +358,56 @@ class EngineRouter:
         return done
 
     def partial_requests(self, *, require_pause: bool = True) -> list:
-        """Not available with several engines (request keys are per engine).
+        """Every live engine's requests with tokens (``proximal.method=partial_sync`` /
+        ``dedicated``); request keys are ``"<engine id>:<request id>"``, unique across engines.
 
         Raises:
-            NotImplementedError: always; ``proximal.method=partial_sync`` / ``dedicated`` need
-                ``rollout.num_engines=1`` (the config refuses the combination).
+            RuntimeError: ``require_pause`` and an engine is running.
         """
-        raise NotImplementedError("old-log-prob scoring of partial requests (proximal.method=partial_sync / "
-                                  "dedicated) needs rollout.num_engines=1")
+        out: list = []
+        for part in self._on_live("partial_requests", require_pause=require_pause):
+            out.extend(part)
+        return out
+
+    def score_old_logprobs(self, spec, items, version: int | None = None):
+        """Score ``items`` (:class:`~conveyor.rollout.old_logprobs.ScoringItem`) on the paused
+        engines in parallel (they hold the same weights), each item, longest (prompt + tokens)
+        first, to the engine with the fewest tokens so far.
+
+        Returns:
+            ``(patches, tokens scored)``, as one engine's
+            :meth:`~conveyor.rollout.engine.InferenceEngine.score_old_logprobs`.
+
+        Raises:
+            RuntimeError: an engine is running, or no live engine can score.
+        """
+        with self._lock:
+            live = [e for i, e in enumerate(self._engines)
+                    if i not in self._down and callable(getattr(e, "score_old_logprobs", None))]
+        if not live:
+            raise RuntimeError("score_old_logprobs: no live engine that can score")
+        shares: list[list] = [[] for _ in live]
+        loads = [0] * len(live)
+        for item in sorted(items, key=lambda it: -(len(it.prompt_ids) + len(it.token_ids))):
+            k = loads.index(min(loads))
+            shares[k].append(item)
+            loads[k] += len(item.prompt_ids) + len(item.token_ids)
+        futs = [self._pool.submit(e.score_old_logprobs, spec, share, version) for e, share in zip(live, shares, strict=True)
+                if share]
+        patches: list = []
+        scored = 0
+        for f in futs:
+            p, n = f.result()
+            patches.extend(p)
+            scored += n
+        return patches, scored
+
+    def _on_live(self, method: str, **kwargs) -> list:
+        """``method(**kwargs)`` on every live engine in parallel; their results in slot order."""
+        with self._lock:
+            live = [e for i, e in enumerate(self._engines) if i not in self._down]
+        futs = [self._pool.submit(getattr(e, method), **kwargs) for e in live]
+        return [f.result() for f in futs]
 
     # ------------------------------------------------------------------ routing
     @staticmethod
