@@ -414,3 +414,26 @@ def test_two_real_engines_pause_together_and_score_every_partial_request_as_one_
         q = by_key[p.key]
         assert p.start == q.start and p.version == q.version == 0
         assert p.values == pytest.approx(q.values, abs=1e-5)
+
+
+def test_a_replacement_installed_while_the_router_is_paused_is_paused_too():
+    a, b = FakeEngine(0), FakeEngine(1)
+    release, started = threading.Event(), threading.Event()
+
+    def restart(slot, update):
+        started.set()
+        release.wait(5)
+        return FakeEngine(40)
+
+    r = EngineRouter([a, b], restart=restart)
+    r.start()
+    t = threading.Thread(target=r._replace, args=(1, 0, "test"))
+    t.start()
+    assert started.wait(5)
+    r.pause()  # slot 1 is down: only engine 0 is paused now
+    assert a.calls[-1] == "pause" and "pause" not in b.calls
+    release.set()
+    t.join(5)
+    assert r.engines[1].calls == ["start", "pause"]  # installed into the paused router, paused
+    r.resume()
+    assert r.engines[1].calls[-1] == "resume"

@@ -175,6 +175,9 @@ class EngineRouter:
         self.update_timeout_s = update_timeout_s
         self._started = False
         self._paused = False
+        # start / stop / pause / resume and the install of a replacement, one at a time (a
+        # replacement installed mid-pause is paused too, never left running or paused alone)
+        self._control = threading.RLock()
         self.restarts = 0
         self.resubmitted = 0
         self.routed_by_affinity = 0
@@ -232,24 +235,28 @@ class EngineRouter:
 
     def start(self) -> None:
         """Start every engine (idempotent)."""
-        self._started = True
-        self._each("start")
+        with self._control:
+            self._started = True
+            self._each("start")
 
     def stop(self) -> None:
         """Stop every engine (tolerant: a failure is logged); in-flight requests resolve with
         ``finish_reason="abort"``."""
-        self._started = False
-        self._each("stop", tolerant=True)
+        with self._control:
+            self._started = False
+            self._each("stop", tolerant=True)
 
     def pause(self) -> None:
         """Pause every engine; returns when each has finished its current forward pass."""
-        self._paused = True
-        self._each("pause")
+        with self._control:
+            self._paused = True
+            self._each("pause")
 
     def resume(self) -> None:
         """Resume every engine."""
-        self._paused = False
-        self._each("resume")
+        with self._control:
+            self._paused = False
+            self._each("resume")
 
     def close(self) -> None:
         """Stop the engines and the router's thread pool."""
@@ -534,22 +541,25 @@ class EngineRouter:
             new = None
             try:
                 new = self._restart(slot, update)
-                if self._started:
-                    new.start()
-                if self._paused:
-                    new.pause()
+                new.start()  # (stopped again below if the router is stopped by then)
                 while True:  # weights sent while it was being built; installed with the newest
-                    with self._lock:
-                        latest = self._last_update
-                        if latest is None or latest is update:
-                            if old_stats is not None:
-                                self._offset[slot] = {k: v for k, v in old_stats.items()
-                                                      if k in CUMULATIVE_ENGINE_STATS}
-                            self._engines[slot] = new
-                            self._gen[slot] += 1
-                            self._down.discard(slot)
-                            self._dead.discard(slot)
-                            started = self._started
+                    with self._control:
+                        with self._lock:
+                            latest = self._last_update
+                            installed = latest is None or latest is update
+                            if installed:
+                                if old_stats is not None:
+                                    self._offset[slot] = {k: v for k, v in old_stats.items()
+                                                          if k in CUMULATIVE_ENGINE_STATS}
+                                self._engines[slot] = new
+                                self._gen[slot] += 1
+                                self._down.discard(slot)
+                                self._dead.discard(slot)
+                        if installed:  # in the router's state, before another control call
+                            if not self._started:
+                                new.stop()
+                            elif self._paused:
+                                new.pause()
                             break
                     new.update_weights(latest, wait=True)
                     update = latest
@@ -564,6 +574,4 @@ class EngineRouter:
                     except Exception:
                         log.exception("engine %d: closing the failed replacement", slot)
                 return False
-        if not started:  # the router was stopped while the replacement was built
-            new.stop()
         return True
