@@ -267,9 +267,13 @@ def test_partial_requests_are_gathered_and_scoring_is_split_over_the_engines():
             self.scored: list[int] = []
 
         def partial_requests(self, *, require_pause=True):
+            if self.dead:
+                raise EngineDiedError("gone")
             return [f"{self.name}:a", f"{self.name}:b"]
 
         def score_old_logprobs(self, spec, items, version=None):
+            if self.dead:
+                raise EngineDiedError("gone")
             self.scored += [len(it.token_ids) for it in items]
             return [(self.name, len(it.token_ids)) for it in items], sum(len(it.token_ids) for it in items)
 
@@ -283,6 +287,13 @@ def test_partial_requests_are_gathered_and_scoring_is_split_over_the_engines():
     # longest (prompt + tokens) first, each to the engine with fewer tokens so far:
     # 10 -> a (10, 0), 6 -> b (10, 6), 5 -> b (10, 11), 2 -> a (12, 11)
     assert a.scored == [9, 1] and b.scored == [5, 4]
+    # an engine that dies at the publish: left out of the partial requests, its share scored on
+    # the other one (its replacement is started in the background)
+    b.dead = True
+    a.scored = []
+    assert r.partial_requests() == ["0:a", "0:b"]
+    patches, scored = r.score_old_logprobs(None, items, 0)
+    assert scored == 19 and sorted(a.scored) == [1, 4, 5, 9] and len(patches) == 4
 
 
 def test_a_replacement_that_fails_is_closed_and_not_tried_again_by_the_other_requests():

@@ -385,36 +385,59 @@ class EngineRouter:
             ``(patches, tokens scored)``, as one engine's
             :meth:`~conveyor.rollout.engine.InferenceEngine.score_old_logprobs`.
 
+        An engine that dies while scoring is replaced and its share scored on the others.
+
         Raises:
             RuntimeError: an engine is running, or no live engine can score.
         """
         with self._lock:
-            live = [e for i, e in enumerate(self._engines)
+            live = [(i, self._gen[i], e) for i, e in enumerate(self._engines)
                     if i not in self._down and callable(getattr(e, "score_old_logprobs", None))]
-        if not live:
-            raise RuntimeError("score_old_logprobs: no live engine that can score")
         shares: list[list] = [[] for _ in live]
         loads = [0] * len(live)
         for item in sorted(items, key=lambda it: -(len(it.prompt_ids) + len(it.token_ids))):
             k = loads.index(min(loads))
             shares[k].append(item)
             loads[k] += len(item.prompt_ids) + len(item.token_ids)
-        futs = [self._pool.submit(e.score_old_logprobs, spec, share, version) for e, share in zip(live, shares, strict=True)
-                if share]
         patches: list = []
         scored = 0
-        for f in futs:
-            p, n = f.result()
-            patches.extend(p)
-            scored += n
-        return patches, scored
+        while True:
+            if not live:
+                raise RuntimeError("score_old_logprobs: no live engine that can score")
+            futs = [(slot, gen, e, share, self._pool.submit(e.score_old_logprobs, spec, share, version))
+                    for (slot, gen, e), share in zip(live, shares, strict=True) if share]
+            failed: list = []
+            survivors = []
+            for slot, gen, e, share, f in futs:
+                try:
+                    p, n = f.result()
+                except EngineDiedError as err:  # its share goes to the engines still alive
+                    log.warning("engine %d died while scoring: %s", slot, err)
+                    self._replace_later(slot, gen, str(err))
+                    failed.extend(share)
+                    continue
+                patches.extend(p)
+                scored += n
+                survivors.append((slot, gen, e))
+            if not failed:
+                return patches, scored
+            live = survivors
+            shares = [failed[k::len(live)] for k in range(len(live))] if live else []
 
     def _on_live(self, method: str, **kwargs) -> list:
-        """``method(**kwargs)`` on every live engine in parallel; their results in slot order."""
+        """``method(**kwargs)`` on every live engine in parallel; their results in slot order
+        (an engine found dead is left out and replaced)."""
         with self._lock:
-            live = [e for i, e in enumerate(self._engines) if i not in self._down]
-        futs = [self._pool.submit(getattr(e, method), **kwargs) for e in live]
-        return [f.result() for f in futs]
+            live = [(i, self._gen[i], e) for i, e in enumerate(self._engines) if i not in self._down]
+        futs = [(i, gen, self._pool.submit(getattr(e, method), **kwargs)) for i, gen, e in live]
+        out = []
+        for i, gen, f in futs:
+            try:
+                out.append(f.result())
+            except EngineDiedError as err:
+                log.warning("engine %d: %s() found it dead: %s", i, method, err)
+                self._replace_later(i, gen, str(err))
+        return out
 
     # ------------------------------------------------------------------ routing
     @staticmethod
@@ -544,10 +567,16 @@ class EngineRouter:
                 new.start()  # (stopped again below if the router is stopped by then)
                 while True:  # weights sent while it was being built; installed with the newest
                     with self._control:
+                        # first in the router's state (paused during a partial_sync publish,
+                        # stopped after a stop), then in rotation: no request or scoring reaches
+                        # it running while the others are paused
+                        if not self._started:
+                            new.stop()
+                        elif self._paused:
+                            new.pause()
                         with self._lock:
                             latest = self._last_update
-                            installed = latest is None or latest is update
-                            if installed:
+                            if latest is None or latest is update:
                                 if old_stats is not None:
                                     self._offset[slot] = {k: v for k, v in old_stats.items()
                                                           if k in CUMULATIVE_ENGINE_STATS}
@@ -555,13 +584,8 @@ class EngineRouter:
                                 self._gen[slot] += 1
                                 self._down.discard(slot)
                                 self._dead.discard(slot)
-                        if installed:  # in the router's state, before another control call
-                            if not self._started:
-                                new.stop()
-                            elif self._paused:
-                                new.pause()
-                            break
-                    new.update_weights(latest, wait=True)
+                                break
+                    new.update_weights(latest, wait=True)  # a paused or stopped engine applies it too
                     update = latest
             except Exception as e:
                 log.error("engine %d: the replacement failed: %s", slot, e)
