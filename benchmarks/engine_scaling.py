@@ -35,33 +35,25 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-CONVEYOR = [sys.executable, "-m", "conveyor.cli"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runtime_overhead import run_job  # noqa: E402  (the same timing job)
 
 
 def _train(model: str, runtime: str, engines: int, steps: int, out: Path, extra: list[str]) -> dict:
-    """One ``conveyor train`` process with ``engines`` engines; its loop's figures.
+    """One ``conveyor train`` process with ``engines`` engines (:func:`runtime_overhead.run_job`);
+    its loop's figures.
 
     Raises:
         RuntimeError: the run failed (its console output's tail in the message).
     """
-    cmd = [*CONVEYOR, "train", f"model.name={model}", f"trainer.total_steps={steps}", "run.eval_before=false",
-           "run.eval_after=false", "run.export=false", "run.progress=false", "run.final_checkpoint=none",
-           "run.checkpoint_every=1000", f"run.dir={out}", f"runtime.name={runtime}", f"rollout.num_engines={engines}",
-           *extra]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    total_s = time.perf_counter() - t0
-    if p.returncode != 0:
-        raise RuntimeError(f"{engines}-engine {runtime} run failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
+    summary, total_s = run_job(f"{engines}-engine {runtime}", model, steps, out,
+                               [f"runtime.name={runtime}", f"rollout.num_engines={engines}", *extra])
     seg = summary["segments"][0]
     eng = json.loads((out / "engine_stats.json").read_text())
     wall = seg["wall_seconds"]

@@ -43,21 +43,30 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 CONVEYOR = [sys.executable, "-m", "conveyor.cli"]
 
 
-def _train(model: str, runtime: str, steps: int, out: Path, extra: list[str]) -> dict:
-    """One ``conveyor train`` process; its loop's seconds per update and mean weight-sync seconds.
+def run_job(what: str, model: str, steps: int, out: Path, overrides: list[str]) -> tuple[dict, float]:
+    """One ``conveyor train`` process of the timing job (no evaluations, export or final
+    checkpoint) with ``overrides``, in run directory ``out`` (also used by engine_scaling.py).
+
+    Returns:
+        ``(summary.json, seconds of the whole process)``.
 
     Raises:
-        RuntimeError: the run failed (its console output's tail in the message).
+        RuntimeError: the run failed (``what`` and its console output's tail in the message).
     """
     cmd = [*CONVEYOR, "train", f"model.name={model}", f"trainer.total_steps={steps}", "run.eval_before=false",
            "run.eval_after=false", "run.export=false", "run.progress=false", "run.final_checkpoint=none",
-           "run.checkpoint_every=1000", f"run.dir={out}", f"runtime.name={runtime}", "runtime.num_cpus=2", *extra]
+           "run.checkpoint_every=1000", f"run.dir={out}", *overrides]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
     total_s = time.perf_counter() - t0
     if p.returncode != 0:
-        raise RuntimeError(f"{runtime} run failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
+        raise RuntimeError(f"{what} run failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
+    return json.loads((out / "summary.json").read_text()), total_s
+
+
+def _train(model: str, runtime: str, steps: int, out: Path, extra: list[str]) -> dict:
+    """One run on ``runtime``; its loop's seconds per update and mean weight-sync seconds."""
+    summary, total_s = run_job(runtime, model, steps, out, [f"runtime.name={runtime}", "runtime.num_cpus=2", *extra])
     seg = summary["segments"][0]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     sync = [r["time/weight_sync_s"] for r in rows if "time/weight_sync_s" in r]

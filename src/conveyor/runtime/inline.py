@@ -224,6 +224,26 @@ def resolve_engine_dtype(cfg: TrainConfig, trainer_bf16: bool) -> TrainConfig:
     return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine_dtype": dtype})})
 
 
+def make_engine(cfg: TrainConfig, model, tokenizer, *, version: int, seed_index: int, engine_threads: int,
+                track_partials: bool, lora_base: dict | None = None) -> InferenceEngine:
+    """The run's :class:`~conveyor.rollout.engine.InferenceEngine` over ``model`` (not started),
+    set from ``rollout.*`` (decode batch, re-encoding, ``engine_dtype`` resolved, prefix cache).
+
+    Args:
+        model: The engine's own copy of the policy (eval mode, no gradients).
+        version: Policy version of its weights.
+        seed_index: Index of its sampling seed (:func:`~conveyor.rollout.engine.router.engine_seed`).
+        engine_threads: Intra-op threads of its decode thread.
+        track_partials: Keep request tokens for old-log-prob scoring (partial_sync / dedicated).
+        lora_base: Base weights the LoRA adapters it receives are merged onto, or None.
+    """
+    return InferenceEngine(model, tokenizer, version=version, max_batch_size=cfg.rollout.max_batch_size,
+                           seed=engine_seed(cfg.run.seed, version, seed_index), num_threads=engine_threads,
+                           track_partials=track_partials, reencode_on_update=cfg.rollout.reencode_on_update,
+                           dtype=getattr(torch, cfg.rollout.engine_dtype),
+                           prefix_cache_tokens=cfg.rollout.prefix_cache_tokens, lora_base=lora_base)
+
+
 def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, train_samples, *,
                   engine_threads: int, logger: MetricsLogger, ctx: RunContext, n_too_long: int = 0,
                   state: dict | None = None) -> RolloutSide:
@@ -247,13 +267,8 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
     # rollout.num_engines > 1: further engines, each with its own copy (taken before engine 0
     # may convert its model to rollout.engine_dtype)
     models = [engine_model] + [copy.deepcopy(engine_model) for _ in range(n_engines - 1)]
-    engines = [InferenceEngine(m, tokenizer, version=trainer.version, max_batch_size=cfg.rollout.max_batch_size,
-                               seed=engine_seed(cfg.run.seed, trainer.version, i), num_threads=engine_threads,
-                               track_partials=tracks_partials(trainer.proximal),
-                               reencode_on_update=cfg.rollout.reencode_on_update,
-                               dtype=getattr(torch, cfg.rollout.engine_dtype),
-                               prefix_cache_tokens=cfg.rollout.prefix_cache_tokens,
-                               lora_base=trainer.engine_lora_base())
+    engines = [make_engine(cfg, m, tokenizer, version=trainer.version, seed_index=i, engine_threads=engine_threads,
+                           track_partials=tracks_partials(trainer.proximal), lora_base=trainer.engine_lora_base())
                for i, m in enumerate(models)]
     engine = engines[0] if n_engines == 1 else EngineRouter(engines, restart=None,
                                                              max_batch_size=cfg.rollout.max_batch_size)

@@ -60,7 +60,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from conveyor.rollout.engine.router import CUMULATIVE_ENGINE_STATS
-from conveyor.runtime.ray_engines import ENGINE_ACTOR_FAULTS_ENV
+from conveyor.runtime.ray_engines import ENGINE_ACTOR_FAULTS_ENV, forwarded_env
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +74,6 @@ ACTOR_FAULTS_ENV = "CONVEYOR_ACTOR_FAULTS"
 """Environment variable of the driver whose value becomes the rollout actor's ``CONVEYOR_FAULTS``
 (chaos experiments in the actor only; :mod:`conveyor.faults`)."""
 
-# environment variables the actor's process gets from the driver (a cluster joined by address
-# does not inherit the driver's environment)
-_FORWARDED_ENV = ("CONVEYOR_CACHE", "OMP_WAIT_POLICY", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 class RolloutActorError(RuntimeError):
@@ -885,7 +882,7 @@ class RayRewardService:
 
 
 def _actor_env(faults: bool = True) -> dict[str, str]:
-    env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+    env = forwarded_env()
     value = os.environ.get(ACTOR_FAULTS_ENV)
     if faults and value is not None:
         env["CONVEYOR_FAULTS"] = value

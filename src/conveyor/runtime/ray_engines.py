@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from conveyor.rollout.engine.router import EngineDiedError, engine_seed
+from conveyor.rollout.engine.router import EngineDiedError
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,14 @@ ENGINE_ACTOR_FAULTS_ENV = "CONVEYOR_ENGINE_ACTOR_FAULTS"
 """Environment variable of the driver whose value becomes ``CONVEYOR_FAULTS`` of the first engine
 actor (:mod:`conveyor.faults`; e.g. ``kill@generate#40``)."""
 
-_FORWARDED_ENV = ("CONVEYOR_CACHE", "OMP_WAIT_POLICY", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+FORWARDED_ENV = ("CONVEYOR_CACHE", "OMP_WAIT_POLICY", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+"""Environment variables Ray actors get from the process that starts them (a cluster joined by
+address does not inherit the driver's environment)."""
+
+
+def forwarded_env() -> dict[str, str]:
+    """This process's values of :data:`FORWARDED_ENV` (those set)."""
+    return {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
 
 
 def build_local_engine(cfg, weights, *, seed_index: int, engine_threads: int, track_partials: bool):
@@ -72,10 +79,8 @@ def build_local_engine(cfg, weights, *, seed_index: int, engine_threads: int, tr
     Raises:
         Whatever loading fails with (a model that is not there, a bad update).
     """
-    import torch
-
     from conveyor.models import load_model
-    from conveyor.rollout.engine import InferenceEngine
+    from conveyor.runtime.inline import make_engine
 
     t0 = time.perf_counter()
     lm = load_model(cfg.model.name, seed=cfg.model.seed)
@@ -93,11 +98,8 @@ def build_local_engine(cfg, weights, *, seed_index: int, engine_threads: int, tr
     for p in model.parameters():
         p.requires_grad_(False)
     model_s = time.perf_counter() - t0
-    engine = InferenceEngine(model, lm.tokenizer, version=weights.version, max_batch_size=cfg.rollout.max_batch_size,
-                             seed=engine_seed(cfg.run.seed, weights.version, seed_index), num_threads=engine_threads,
-                             track_partials=track_partials, reencode_on_update=cfg.rollout.reencode_on_update,
-                             dtype=getattr(torch, cfg.rollout.engine_dtype),
-                             prefix_cache_tokens=cfg.rollout.prefix_cache_tokens, lora_base=lora_base)
+    engine = make_engine(cfg, model, lm.tokenizer, version=weights.version, seed_index=seed_index,
+                         engine_threads=engine_threads, track_partials=track_partials, lora_base=lora_base)
     return engine, lm.tokenizer, model_s
 
 
@@ -226,7 +228,7 @@ def start_engine_actors(cfg, weights_ref, engines: Sequence[tuple[int, int, str 
     timeout = cfg.runtime.call_timeout_s
     actors, setups = [], []
     for index, seed_index, faults in engines:
-        env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+        env = forwarded_env()
         env["CONVEYOR_FAULTS"] = faults or ""  # never the rollout actor's own chaos plan
         actor = ray.remote(EngineActor).options(
             num_cpus=cfg.runtime.engine_num_cpus, max_concurrency=1000, runtime_env={"env_vars": env},
