@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 
 import pytest
 
@@ -174,8 +175,10 @@ def test_merge_engine_stats_takes_the_lowest_version_and_all_paused():
 def test_a_dead_engine_is_replaced_at_the_newest_weights_and_its_requests_run_again():
     a, b = FakeEngine(0), FakeEngine(1)
     built = []
+    release = threading.Event()
 
     def restart(slot, update):
+        release.wait(5)  # a slow start (a Ray actor): the requests must not wait for it
         e = FakeEngine(10 + slot, version=update.version, busy=0.25)
         built.append((slot, update.version))
         return e
@@ -196,10 +199,13 @@ def test_a_dead_engine_is_replaced_at_the_newest_weights_and_its_requests_run_ag
 
     outs = run(go())
     assert len(outs) == 4 and all(o.versions == [1, 1] for o in outs)
+    assert [o.token_ids[0] for o in outs] == [0] * 4  # the two that died ran again on engine 0 at once
+    assert built == [] and r.stats()["engines"][1]["state"] == "replacing"
+    release.set()
+    assert r.wait_for_replacements(5)
     assert built == [(1, 1)]
-    served = sorted(o.token_ids[0] for o in outs)
-    assert served.count(0) + served.count(11) == 4  # every request answered by a live engine
     st = r.stats()
+    assert [e["state"] for e in st["engines"]] == ["live", "live"]
     assert st["engine_restarts"] == 1 and st["router_resubmitted"] == 2
     assert r.engines[1].name == 11 and r.engines[1].calls == ["start"]
     # the dead engine's counters (as last read) were carried: busy seconds never go back
@@ -322,9 +328,11 @@ def test_a_replacement_that_fails_is_closed_and_not_tried_again_by_the_other_req
 
     outs = run(go())
     assert [o.token_ids[0] for o in outs] == [0] * 6  # engine 0 served the three that died too
+    assert r.wait_for_replacements(5)
     assert len(made) == 1 and made[0].closed  # one attempt for the three requests, and closed
     st = r.stats()
     assert st["engine_restarts"] == 1 and st["router_resubmitted"] == 3
+    assert st["engines"][1]["state"] == "dead"
     assert st["engines"][1].get("running", 0) == 0  # a dead engine shows nothing running
 
 
@@ -448,3 +456,44 @@ def test_a_replacement_installed_while_the_router_is_paused_is_paused_too():
     assert r.engines[1].calls == ["start", "pause"]  # installed into the paused router, paused
     r.resume()
     assert r.engines[1].calls[-1] == "resume"
+
+
+def test_stop_waits_for_a_replacement_still_starting_and_installs_it_stopped():
+    # nothing may start an engine (a Ray actor) after the runtime stopped the router and cleaned up
+    a, b = FakeEngine(0), FakeEngine(1)
+    release = threading.Event()
+
+    def restart(slot, update):
+        release.wait(5)
+        return FakeEngine(50)
+
+    r = EngineRouter([a, b], restart=restart)
+    r.start()
+    b.dead = True
+    with pytest.raises(EngineDiedError):
+        run(b.generate([1]))
+    r._on_death(1, 0, "test")  # as a request that died there reports it
+    r._on_death(1, 0, "test")  # a second request of the same engine starts no second replacement
+    assert len(r._replacing) == 1
+    threading.Timer(0.2, release.set).start()
+    t0 = time.monotonic()
+    r.stop()
+    assert time.monotonic() - t0 >= 0.15  # it waited for the replacement
+    assert r.engines[1].name == 50 and r.engines[1].calls == ["start", "stop"]
+    assert r.stats()["engines"][1]["state"] == "live"
+
+
+def test_a_replacement_that_outlasts_the_wait_is_reported_not_waited_for_forever():
+    a, b = FakeEngine(0), FakeEngine(1)
+    release = threading.Event()
+
+    def restart(slot, update):
+        release.wait(5)
+        return FakeEngine(60)
+
+    r = EngineRouter([a, b], restart=restart, replace_timeout_s=0.1)
+    r._on_death(1, 0, "test")
+    assert r.wait_for_replacements() is False
+    assert r.stats()["engines"][1]["state"] == "replacing"
+    release.set()
+    assert r.wait_for_replacements(5) is True and r.engines[1].name == 60

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -266,8 +267,15 @@ def test_two_engines_share_the_rollouts_and_a_killed_engine_actor_is_replaced(tm
     assert len(set(runtime["engine_pids"])) == 2  # two processes
     stats = json.loads((run / "engine_stats.json").read_text())
     assert stats["num_engines"] == 2 and stats["engine_restarts"] == 1 and stats["router_resubmitted"] >= 1
-    assert min(e["generated_tokens"] for e in stats["engines"]) > 0  # both engines generated
-    assert stats["engines"][1]["version"] == 4  # the replacement follows the weights
+    assert stats["engines"][0]["generated_tokens"] > 0
+    # the killed actor's requests ran again on engine 0 at once; its replacement (seconds to
+    # start) may still have been starting when the statistics were read; once live, it follows
+    # the weights (test_engine_router covers the newest weights at install)
+    assert stats["engines"][1]["state"] in ("live", "replacing")
+    if stats["engines"][1]["state"] == "live":
+        assert stats["engines"][1]["version"] == 4
+    # the run's end waited for it: installed (stopped) at the newest weights, then killed
+    assert re.search(r"engine 1: replacement installed at version 4\b", (run / "train.log").read_text())
     trained = rows_of(run / "trained.jsonl")
     assert [r["step"] for r in trained] == list(range(1, 5))
     groups = [g["group"] for r in trained for g in r["groups"]]

@@ -27,8 +27,12 @@ generated it. What the router adds:
   event loop).
 * **Faults**: an engine that raises :class:`EngineDiedError` (its process is gone: a Ray engine
   actor) is replaced by ``restart(index, update)`` (``max_restarts`` times per router), built at
-  the newest weights the router has sent; the requests it had in flight are generated again on
-  a live engine (``router_resubmitted``). A request lost with an engine is regenerated from its
+  the newest weights the router has sent. The slot leaves rotation at the first sign of death
+  and the replacement starts in the background (a Ray actor takes seconds), so the requests it
+  had in flight are generated again at once on a live engine (``router_resubmitted``); only when
+  no engine is live do they wait for the replacement. :meth:`stop` waits for a replacement still
+  starting (``replace_timeout_s``); ``stats()["engines"][i]["state"]`` is ``live``,
+  ``replacing`` or ``dead``. A request lost with an engine is regenerated from its
   prompt: its tokens are sampled anew at the current version (never a mixture of two attempts).
   An engine that fails otherwise (a crashed decode thread raises RuntimeError) fails its requests,
   as a single engine would: a crash is surfaced, not routed around.
@@ -49,6 +53,7 @@ import bisect
 import concurrent.futures
 import logging
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -143,6 +148,8 @@ class EngineRouter:
             earlier turn) may exceed the least loaded engine and still get the request.
         affinity_entries: Prompts and continuations remembered for routing (least recently
             used forgotten first).
+        replace_timeout_s: Seconds :meth:`stop` waits at most for a replacement still
+            starting (s).
 
     Raises:
         ValueError: no engine, or a negative ``max_restarts`` / ``affinity_slack``.
@@ -150,7 +157,8 @@ class EngineRouter:
 
     def __init__(self, engines: Sequence[Any], *, restart: Callable[[int, Any], Any] | None = None,
                  initial: Any = None, max_restarts: int = 2, affinity_slack: int = 8, affinity_entries: int = 4096,
-                 max_batch_size: int | None = None, update_timeout_s: float | None = None):
+                 max_batch_size: int | None = None, update_timeout_s: float | None = None,
+                 replace_timeout_s: float = 120.0):
         if not engines:
             raise ValueError("EngineRouter needs at least one engine")
         if max_restarts < 0 or affinity_slack < 0 or affinity_entries < 1:
@@ -168,6 +176,8 @@ class EngineRouter:
         self._down: set[int] = set()  # slots being replaced or dead for good
         self._dead: set[int] = set()  # dead for good (no restart left)
         self._restart_locks = [threading.Lock() for _ in range(n)]
+        self._replacing: dict[int, tuple[int, threading.Thread]] = {}  # slot -> (generation, thread)
+        self.replace_timeout_s = replace_timeout_s
         self._offset: list[dict[str, float]] = [{} for _ in range(n)]  # counters of replaced engines
         self._last_stats: list[dict | None] = [None] * n
         self._last_update = initial if restart is not None else None  # kept only to build replacements
@@ -241,10 +251,13 @@ class EngineRouter:
 
     def stop(self) -> None:
         """Stop every engine (tolerant: a failure is logged); in-flight requests resolve with
-        ``finish_reason="abort"``."""
+        ``finish_reason="abort"``. A replacement still starting is waited for
+        (:meth:`wait_for_replacements`) and installed stopped, so nothing starts an engine
+        after the caller has cleaned up."""
         with self._control:
             self._started = False
             self._each("stop", tolerant=True)
+        self.wait_for_replacements()  # (outside _control: the replacement installs under it)
 
     def pause(self) -> None:
         """Pause every engine; returns when each has finished its current forward pass."""
@@ -288,6 +301,9 @@ class EngineRouter:
                 st = {k: v for k, v in (self._last_stats[i] or {}).items() if k in CUMULATIVE_ENGINE_STATS}
             per.append(st)
         out = merge_engine_stats(per)
+        with self._lock:  # (after the merge: a per-engine field only)
+            for i, st in enumerate(per):
+                st["state"] = "dead" if i in self._dead else "replacing" if i in self._down else "live"
         out["num_engines"] = len(self._engines)
         out["engines"] = per
         with self._lock:
@@ -524,11 +540,13 @@ class EngineRouter:
             try:
                 out = await engine.generate(prompt, params, **kwargs)
             except EngineDiedError as e:
-                replaced = await asyncio.to_thread(self._replace, slot, gen, str(e))
-                if not replaced and len(self._dead) == len(self._engines):
-                    raise RuntimeError(f"engine {slot} died ({e}) and no engine is left") from e
+                # out of rotation at once, replaced in the background: the request runs again
+                # now on a live engine (or waits for the replacement when none is left)
+                self._on_death(slot, gen, str(e))
                 with self._lock:
                     self.resubmitted += 1
+                    if len(self._dead) == len(self._engines):
+                        raise RuntimeError(f"engine {slot} died ({e}) and no engine is left") from e
                 continue
             finally:
                 with self._lock:
@@ -537,10 +555,58 @@ class EngineRouter:
             return out
 
     # ------------------------------------------------------------------ faults
+    def _on_death(self, slot: int, gen: int, why: str) -> None:
+        """The engine of ``slot`` (generation ``gen``) died: out of rotation now; its
+        replacement started in the background, or the slot marked dead at once when no
+        replacement is allowed."""
+        with self._lock:
+            if self._gen[slot] != gen:
+                return  # already replaced (or given up) by another caller
+            self._down.add(slot)
+            running = self._replacing.get(slot)
+            if running is not None and running[0] == gen and running[1].is_alive():
+                return  # this death's replacement is already under way (never block on it here)
+            can_restart = self._restart is not None and self.restarts < self.max_restarts
+        if can_restart:
+            self._replace_later(slot, gen, why)
+        else:
+            self._replace(slot, gen, why)  # marks it dead; quick
+
     def _replace_later(self, slot: int, gen: int, why: str) -> None:
-        """:meth:`_replace` in a thread of its own (a death seen outside a request)."""
-        threading.Thread(target=self._replace, args=(slot, gen, why), name=f"engine-{slot}-restart",
-                         daemon=True).start()
+        """:meth:`_replace` in a thread of its own, one per death (:meth:`stop` waits for it)."""
+        with self._lock:
+            if self._gen[slot] != gen:
+                return
+            running = self._replacing.get(slot)
+            if running is not None and running[0] == gen and running[1].is_alive():
+                return  # this death's replacement is already under way
+            t = threading.Thread(target=self._replace, args=(slot, gen, why), name=f"engine-{slot}-restart",
+                                 daemon=True)
+            self._replacing[slot] = (gen, t)
+            t.start()  # (under the lock: alive before anyone else can look)
+
+    def wait_for_replacements(self, timeout_s: float | None = None) -> bool:
+        """Wait until no replacement is being started.
+
+        Args:
+            timeout_s: Seconds to wait at most (None: :attr:`replace_timeout_s`).
+
+        Returns:
+            True when none is under way any more; False when one is still starting after the
+            timeout (it is then left to finish in the background, logged).
+        """
+        deadline = time.monotonic() + (self.replace_timeout_s if timeout_s is None else timeout_s)
+        with self._lock:
+            threads = [(slot, t) for slot, (_, t) in self._replacing.items()]
+        done = True
+        for slot, t in threads:
+            if t.is_alive():
+                log.info("waiting for engine %d's replacement to finish starting", slot)
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                log.warning("engine %d's replacement is still starting after the wait; left in the background", slot)
+                done = False
+        return done
 
     def _replace(self, slot: int, gen: int, why: str) -> bool:
         """Replace the engine of ``slot`` that died under generation ``gen`` (a no-op when
@@ -561,6 +627,7 @@ class EngineRouter:
                 old_stats = self._last_stats[slot]
             log.warning("engine %d died (%s); starting a replacement (%d of %d)", slot, why, self.restarts,
                         self.max_restarts)
+            t0 = time.monotonic()
             new = None
             try:
                 new = self._restart(slot, update)
@@ -584,6 +651,9 @@ class EngineRouter:
                                 self._gen[slot] += 1
                                 self._down.discard(slot)
                                 self._dead.discard(slot)
+                                log.info("engine %d: replacement installed at version %s, %.1f s after the death%s",
+                                         slot, getattr(latest, "version", None), time.monotonic() - t0,
+                                         "" if self._started else " (stopped: the router was stopped meanwhile)")
                                 break
                     new.update_weights(latest, wait=True)  # a paused or stopped engine applies it too
                     update = latest
