@@ -64,9 +64,20 @@ def run_job(what: str, model: str, steps: int, out: Path, overrides: list[str]) 
     return json.loads((out / "summary.json").read_text()), total_s
 
 
+RUNTIMES = {
+    "inline": ["runtime.name=inline"],
+    "ray": ["runtime.name=ray"],
+    # the trainer in a Ray actor of its own (runtime/ray_trainer.py): 1 CPU for it, 1 for the
+    # rollout actor, the driver only orchestrates
+    "ray_trainer_actor": ["runtime.name=ray", "runtime.trainer=actor"],
+}
+"""The runtimes ``--runtimes`` can compare, as config overrides."""
+
+
 def _train(model: str, runtime: str, steps: int, out: Path, extra: list[str]) -> dict:
-    """One run on ``runtime``; its loop's seconds per update and mean weight-sync seconds."""
-    summary, total_s = run_job(runtime, model, steps, out, [f"runtime.name={runtime}", "runtime.num_cpus=2", *extra])
+    """One run on ``runtime`` (a :data:`RUNTIMES` key); its loop's seconds per update and mean
+    weight-sync seconds."""
+    summary, total_s = run_job(runtime, model, steps, out, [*RUNTIMES[runtime], "runtime.num_cpus=2", *extra])
     seg = summary["segments"][0]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     sync = [r["time/weight_sync_s"] for r in rows if "time/weight_sync_s" in r]
@@ -126,32 +137,44 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config overrides")
+    ap.add_argument("--runtimes", default="inline,ray", help=f"comma-separated, of {', '.join(RUNTIMES)}; the "
+                    "ratios are against the first")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
         args.model, args.steps, args.rounds = "tiny", 1, 1
         args.set = ["trainer.batch_size=4", "rollout.group_size=4", *args.set]  # 16 trajectories per update
+    names = [x.strip() for x in args.runtimes.split(",") if x.strip()]
+    bad = [x for x in names if x not in RUNTIMES]
+    if bad or len(names) < 2:
+        ap.error(f"--runtimes: two or more of {', '.join(RUNTIMES)} (got {args.runtimes!r})")
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            order = ("inline", "ray") if r % 2 == 0 else ("ray", "inline")
+            order = names if r % 2 == 0 else names[::-1]  # alternated: neither side always runs first
             for rt in order:
                 res = _train(args.model, rt, args.steps, Path(tmp) / f"{rt}_{r}", args.set)
                 runs.append(res)
                 print(f"  round {r} {rt}: {res['s_per_update']:.2f} s/update, weight sync {res['weight_sync_s']:.3f} s",
                       file=sys.stderr)
-    med = {rt: statistics.median(x["s_per_update"] for x in runs if x["runtime"] == rt) for rt in ("inline", "ray")}
-    sync = {rt: statistics.median(x["weight_sync_s"] for x in runs if x["runtime"] == rt) for rt in ("inline", "ray")}
+    med = {rt: statistics.median(x["s_per_update"] for x in runs if x["runtime"] == rt) for rt in names}
+    sync = {rt: statistics.median(x["weight_sync_s"] for x in runs if x["runtime"] == rt) for rt in names}
     transports = _sync_transports(args.model, repeats=2 if args.quick else 5)
+    base = names[0]
     out = {"model": args.model, "steps": args.steps, "rounds": args.rounds, "overrides": args.set, "runs": runs,
-           "s_per_update": med, "ray_over_inline": med["ray"] / med["inline"], "weight_sync_s": sync,
+           "runtimes": names, "s_per_update": med, "weight_sync_s": sync,
+           "over_first": {rt: med[rt] / med[base] for rt in names[1:]},
            "transport": transports, "cpus": os.cpu_count()}
+    if "ray" in med and "inline" in med:
+        out["ray_over_inline"] = med["ray"] / med["inline"]
     print(f"| runtime | s / update (median of {args.rounds}) | weight sync s / version (publish) |")
     print("|---|---|---|")
-    for rt in ("inline", "ray"):
+    for rt in names:
         print(f"| {rt} | {med[rt]:.2f} | {sync[rt]:.3f} |")
-    print(f"\nray / inline: {out['ray_over_inline']:.3f}x per update")
+    print()
+    for rt in names[1:]:
+        print(f"{rt} / {base}: {out['over_first'][rt]:.3f}x per update")
     print(f"one version ({transports['message_mb']:.0f} MB): object store {transports['object_store_s']:.3f} s, "
           f"disk (safetensors write + read) {transports['disk_s']:.3f} s")
     print(json.dumps(out))

@@ -370,3 +370,13 @@ def test_turn_values_whitening_and_value_clip_through_the_trainer(tiny):
     tr = make_trainer(tiny, critic={"value_clip": 1e-4, "updates_per_step": 2, "lr": 1e-2})
     m = tr.train_step(_batch())
     assert 0.0 <= m["critic/clip_frac"] <= 1.0 and m["critic/updates"] == 2.0
+
+
+def test_scale_lr_reaches_the_policy_and_the_critic(tiny):
+    # the run monitor's lr_scale action (Trainer.scale_lr; through the trainer actor's proxy too)
+    tr = make_trainer(tiny)
+    assert len(tr.updaters) == 2  # the policy's and the critic's
+    before = [[g["lr"] for g in up.optimizer.param_groups] for up in tr.updaters]
+    tr.scale_lr(0.5)
+    after = [[g["lr"] for g in up.optimizer.param_groups] for up in tr.updaters]
+    assert after == [[x * 0.5 for x in lrs] for lrs in before] and all(x > 0 for lrs in before for x in lrs)

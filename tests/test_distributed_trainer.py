@@ -268,3 +268,13 @@ def test_a_follower_exits_when_rank_0_is_killed(tmp_path):
     finally:
         if leader.poll() is None:
             leader.kill()
+
+
+def test_a_trainer_actor_needs_the_ray_runtime_and_refuses_the_dedicated_worker():
+    from conveyor.config import load_config
+
+    with pytest.raises(ConfigError, match="runtime.trainer=actor needs runtime.name=ray"):
+        load_config(None, ["runtime.trainer=actor"])
+    with pytest.raises(ConfigError, match="proximal.method=dedicated"):
+        load_config(None, ["runtime.trainer=actor", "runtime.name=ray", "proximal.method=dedicated"])
+    assert load_config(None, ["runtime.trainer=actor", "runtime.name=ray"]).runtime.trainer_num_cpus == 1.0

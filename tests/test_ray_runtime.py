@@ -182,6 +182,60 @@ def test_an_actor_that_cannot_build_is_reported_with_its_message(tmp_path, clust
     assert wait_cpus_free() >= 2  # the actor is gone
 
 
+def test_a_trainer_actor_trains_like_the_driver_and_its_checkpoints_resume_under_either_placement(tmp_path, cluster):
+    # runtime.trainer=actor: the policy, optimizer and updates in a Ray actor of their own, the
+    # weights from it to the rollout actor through the object store; at eta = 0 with a dense
+    # reward both placements train on the same batches with the same loss (tolerance: see the
+    # test above). The module's cluster has 2 CPUs: the rollout actor's and the trainer actor's.
+    common = BASE + NO_EVAL + ["async.eta=0", "trainer.bf16=false", "run.checkpoint_every=1",
+                               "reward.fn=conveyor.rewards.faults:response_length_reward"]
+    runs = {}
+    for placement in ("driver", "actor"):
+        runs[placement] = tmp_path / placement
+        cfg = load_config(None, common + RAY + ["trainer.total_steps=2", f"runtime.trainer={placement}",
+                                                f"run.dir={runs[placement]}"])
+        run_training(cfg)
+    rt = next(e for e in rows_of(runs["actor"] / "events.jsonl") if e["event"] == "runtime")
+    assert rt["trainer"] == "actor" and rt["trainer_pid"] not in (os.getpid(), rt["actor_pid"])
+    m = {p: rows_of(runs[p] / "metrics.jsonl") for p in runs}
+    assert [r["step"] for r in m["actor"]] == [1, 2]
+    for a, b in zip(m["driver"], m["actor"], strict=True):  # the first batch, and the one after an update
+        assert b["loss/loss"] == pytest.approx(a["loss/loss"], abs=1e-5)
+        assert a["train/grad_norm"] > 0 and b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-3)
+    trained = {p: [sorted((g["group"].split("#")[0], g["lengths"]) for g in r["groups"])  # (#: a group's own id)
+                   for r in rows_of(runs[p] / "trained.jsonl")] for p in runs}
+    assert trained["actor"] == trained["driver"]
+    assert _latest_checkpoint(runs["actor"]).name == "step_2"
+    # its checkpoint resumes with the trainer in the driver (the same trainer.pt; the other way
+    # round: the next test resumes an actor run under the actor)
+    run_training(load_config(None, common + RAY + ["trainer.total_steps=3", "runtime.trainer=driver",
+                                                   f"run.dir={runs['actor']}"]), resume_dir=runs["actor"])
+    assert [r["step"] for r in rows_of(runs["actor"] / "metrics.jsonl")] == [1, 2, 3]
+    assert _latest_checkpoint(runs["actor"]).name == "step_3"
+    assert wait_cpus_free() >= 2  # the trainer actor was killed with the run
+
+
+def test_a_dead_trainer_actor_stops_the_run_and_its_last_checkpoint_resumes(tmp_path, cluster, monkeypatch):
+    from conveyor.runtime.ray_trainer import TrainerActorError
+
+    monkeypatch.setenv("CONVEYOR_TRAINER_ACTOR_FAULTS", "kill@train_step#3")  # SIGKILL in the 3rd update
+    run = tmp_path / "r"
+    common = BASE + RAY + NO_EVAL + ["async.eta=1", "run.checkpoint_every=1", "runtime.trainer=actor",
+                                     f"run.dir={run}"]
+    t0 = time.time()
+    with pytest.raises(TrainerActorError, match="trainer actor died during train_step"):
+        run_training(load_config(None, common + ["trainer.total_steps=5"]))
+    assert time.time() - t0 < 120
+    events = rows_of(run / "events.jsonl")
+    assert next(e for e in events if e["event"] == "error")["version"] == 2
+    assert _latest_checkpoint(run).name == "step_2"  # the last periodic checkpoint, intact
+    assert wait_cpus_free() >= 2
+    monkeypatch.delenv("CONVEYOR_TRAINER_ACTOR_FAULTS")
+    res = run_training(load_config(None, common + ["trainer.total_steps=5"]), resume_dir=run)
+    assert res.steps == 5
+    assert [r["step"] for r in rows_of(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+
+
 def test_a_crash_inside_the_actor_stops_the_run_with_its_message_and_a_final_checkpoint(tmp_path, cluster,
                                                                                        monkeypatch):
     # the actor's engine fails at its 40th decode step (CONVEYOR_ACTOR_FAULTS: the actor only)

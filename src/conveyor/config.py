@@ -540,6 +540,12 @@ class RuntimeConfig(_Strict):
                     "auto / host:port / ray://host:port = join a running cluster (ray start --head)")
     num_cpus: int | None = Field(default=None, ge=1, description="ray: CPUs of the local cluster (default: this machine's)")
     rollout_num_cpus: float = Field(default=1.0, ge=0, description="ray: CPUs the rollout actor reserves")
+    trainer: Literal["driver", "actor"] = Field(
+        default="driver", description="ray: where the trainer (policy, optimizer, critic) runs: driver = in the "
+                                      "conveyor train process; actor = a Ray actor of its own (trainer_num_cpus), "
+                                      "so the driver can run on a machine without the trainer's devices; the loop, "
+                                      "logs, checkpoints and export stay in the driver")
+    trainer_num_cpus: float = Field(default=1.0, ge=0, description="ray: CPUs the trainer actor reserves (runtime.trainer=actor)")
     engine_num_cpus: float = Field(
         default=1.0, ge=0, description="ray: CPUs each engine actor reserves (rollout.num_engines > 1: engines 1.. "
                                        "run as Ray actors; engine 0 is in the rollout actor)")
@@ -606,6 +612,13 @@ class TrainConfig(_Strict):
         if self.rollout.elastic_threads and self.runtime.name != "inline":
             raise ValueError("rollout.elastic_threads=true needs runtime.name=inline (the engine borrows the "
                              "trainer's threads in one process; a Ray actor's engine has its own CPUs)")
+        if self.runtime.trainer == "actor":
+            if self.runtime.name != "ray":
+                raise ValueError("runtime.trainer=actor needs runtime.name=ray")
+            if self.proximal.method == "dedicated":
+                raise ValueError("runtime.trainer=actor with proximal.method=dedicated: the dedicated old-logit worker "
+                                 "reads the trainer's model in its process; use recompute, partial_sync or another "
+                                 "method, or runtime.trainer=driver")
         if self.rollout.num_engines > 1:
             if self.rollout.elastic_threads:
                 raise ValueError(f"rollout.elastic_threads=true with rollout.num_engines={self.rollout.num_engines}: "

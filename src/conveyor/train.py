@@ -232,7 +232,12 @@ def _load_job(cfg: TrainConfig, start: _Start, console, ctx: RunContext) -> _Job
         torch.set_num_threads(trainer_threads)
         group = TrainerGroup.start(cfg, bf16=bf16_choice, threads=trainer_threads)
         ctx.stack.callback(group.close)
-    trainer = build_trainer(cfg, lm.model, bf16_choice=bf16_choice, data_parallel=group.dp if group else None)
+    if cfg.runtime.name == "ray" and cfg.runtime.trainer == "actor":  # the trainer in a Ray actor of its own
+        from conveyor.runtime.ray_trainer import start_trainer_actor
+
+        trainer = start_trainer_actor(cfg, bf16_choice=bf16_choice, threads=trainer_threads, ctx=ctx)
+    else:
+        trainer = build_trainer(cfg, lm.model, bf16_choice=bf16_choice, data_parallel=group.dp if group else None)
     if precision_note is not None:
         trainer.precision_note = precision_note
     job = _Job(trainer, lm.tokenizer, reward_fn, train_samples, heldout, n_too_long, warnings, engine_threads)

@@ -406,12 +406,8 @@ def build_steering(cfg: TrainConfig, trainer: Trainer, controller, logger: Metri
     ratio = (AsyncRatioController(base=a.ratio_base, r_min=a.ratio_min, r_max=a.ratio_max, step=a.ratio_step,
                                   threshold=a.variance_threshold, eta_max=a.eta_max) if a.adaptive else None)
 
-    def scale_lr(factor: float) -> None:
-        for up in trainer.updaters:
-            up.scale_lr(factor)
-
     steering = RunSteering(monitor, ratio, ratio.eta() if ratio is not None else a.eta, set_eta=controller.set_eta,
-                           scale_lr=scale_lr, request_stop=stop.set, event=logger.event, say=console.print,
+                           scale_lr=trainer.scale_lr, request_stop=stop.set, event=logger.event, say=console.print,
                            lr_scale=m.lr_scale)
     if state:
         steering.load_state_dict(state)

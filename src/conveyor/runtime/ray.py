@@ -36,10 +36,13 @@ Faults: every remote call has a timeout (``runtime.call_timeout_s``; evaluations
 e.g. :class:`~conveyor.data.DatasetError`), a dead actor likewise; the loop then writes its final
 checkpoint (which needs the actor's snapshot: after an actor *death* it fails, logged, and the
 last periodic checkpoint stays the newest). Log records of the actor (``conveyor.*`` loggers:
-failed rewards, episode tracebacks) are forwarded to the driver's ``train.log``. Not done yet:
-several engine actors, a trainer actor. A dead actor is restarted
+failed rewards, episode tracebacks) are forwarded to the driver's ``train.log``. Several
+engines: :mod:`conveyor.runtime.ray_engines`. A dead actor is restarted
 (``runtime.max_actor_restarts``, default 2) and continues from the state it handed out last,
-its lost episodes generated again (:class:`_ActorReviver`); the loop goes on.
+its lost episodes generated again (:class:`_ActorReviver`); the loop goes on. With
+``runtime.trainer=actor`` the trainer runs in an actor of its own
+(:mod:`conveyor.runtime.ray_trainer`) and the weights go from it to the rollout actor without
+passing through the driver.
 
 Ray is imported lazily: ``import conveyor`` works without it.
 """
@@ -61,6 +64,7 @@ from typing import Any
 
 from conveyor.rollout.engine.router import CUMULATIVE_ENGINE_STATS
 from conveyor.runtime.ray_engines import ENGINE_ACTOR_FAULTS_ENV, forwarded_env
+from conveyor.runtime.ray_trainer import weights_ref
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +100,14 @@ def require_ray():
         raise ImportError(f"runtime.name=ray needs Ray, which is not installed: {INSTALL_HINT} "
                           f"(or runtime.name=inline)") from e
     return ray
+
+
+def run_cpus(cfg) -> float:
+    """CPUs the run's actors reserve: the rollout actor, engine actors 1 .. N-1 and, with
+    ``runtime.trainer=actor``, the trainer actor (``runtime.*_num_cpus``)."""
+    rt = cfg.runtime
+    return (rt.rollout_num_cpus + (cfg.rollout.num_engines - 1) * rt.engine_num_cpus
+            + (rt.trainer_num_cpus if rt.trainer == "actor" else 0.0))
 
 
 def connect_ray(runtime_cfg, min_cpus: float = 0.0) -> Callable[[], None] | None:
@@ -822,7 +834,9 @@ class RayEngine:
             RolloutActorError: the actor failed, died or timed out.
         """
         ray = self._h.ray
-        ref = ray.put(update)  # passed as [ref]: the actor hands the same object to its engine actors
+        # passed as [ref]: the actor hands the same object to its engine actors (a trainer
+        # actor's RemoteWeightUpdate: its own reference, never through this process)
+        ref = weights_ref(ray, update)
         if wait:
             self._h.call("update_weights", [ref], passthrough=(ValueError, KeyError, TypeError))
             fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -1007,7 +1021,7 @@ class _ActorReviver:
             fresh = None
             try:
                 actor, fresh = start_rollout_actor(self.cfg.runtime, logger=self.logger, faults=False)
-                weights = self.h.ray.put(self.trainer.weight_update())
+                weights = weights_ref(self.h.ray, self.trainer.weight_update())
                 info = fresh.call("setup", self.cfg, self.train_samples, [weights], engine_threads=self.engine_threads,
                                   track_partials=False, warmup_batches=self.trainer.critic_warmup_done,
                                   n_too_long=self.n_too_long, controller_state=self.snapshot)
@@ -1072,10 +1086,10 @@ def build_ray_rollout(cfg, trainer, train_samples, *, engine_threads: int, logge
 
     cfg = resolve_engine_dtype(cfg, trainer.bf16)  # the actor builds its engine from the resolved value
     ray = require_ray()
-    shutdown = connect_ray(cfg.runtime, min_cpus=cfg.runtime.rollout_num_cpus
-                           + (cfg.rollout.num_engines - 1) * cfg.runtime.engine_num_cpus)
-    if shutdown is not None:
-        ctx.stack.callback(shutdown)
+    if not (cfg.runtime.trainer == "actor" and ray.is_initialized()):  # (the trainer actor's start connected)
+        shutdown = connect_ray(cfg.runtime, min_cpus=run_cpus(cfg))
+        if shutdown is not None:
+            ctx.stack.callback(shutdown)
     actor, handle = start_rollout_actor(cfg.runtime, logger=logger)
 
     def close():
@@ -1089,7 +1103,7 @@ def build_ray_rollout(cfg, trainer, train_samples, *, engine_threads: int, logge
 
     ctx.stack.callback(close)
     t0 = time.perf_counter()
-    weights = ray.put(trainer.weight_update())
+    weights = weights_ref(ray, trainer.weight_update())  # (runtime.trainer=actor: put by the trainer actor)
     try:
         info = handle.call("setup", cfg, list(train_samples), [weights], engine_threads=engine_threads,
                            track_partials=tracks_partials(trainer.proximal),
@@ -1111,7 +1125,8 @@ def build_ray_rollout(cfg, trainer, train_samples, *, engine_threads: int, logge
         reviver.active = True
         handle.reviver = reviver
     logger.event("runtime", name="ray", actor_pid=info["pid"], actor_node=info["node"], address=cfg.runtime.address,
-                 engine_pids=info["engine_pids"],
+                 engine_pids=info["engine_pids"], trainer=cfg.runtime.trainer,
+                 trainer_pid=getattr(trainer, "pid", os.getpid()), trainer_node=getattr(trainer, "node", None),
                  setup_seconds=time.perf_counter() - t0, cluster_cpus=ray.cluster_resources().get("CPU", 0))
     engine = RayEngine(handle)
     if reviver is not None:

@@ -484,6 +484,12 @@ class Trainer:
                            chunk_tokens=self.cfg.logprob_chunk_tokens,
                            micro_batch_tokens=self.cfg.micro_batch_tokens, pack_row_tokens=self.cfg.pack_row_tokens)
 
+    def scale_lr(self, factor: float) -> None:
+        """Multiply the learning rate of every updater (policy and critics) by ``factor`` from
+        now on (the run monitor's ``lr_scale`` action, MISSION.md section 4)."""
+        for up in self.updaters:
+            up.scale_lr(factor)
+
     def take_events(self) -> list[dict]:
         """The proximal strategy's events since the previous call (each ``{"event": name,
         ...}``, e.g. an EWMA reset), for the run log; the list is emptied."""
