@@ -2,7 +2,8 @@
 Ray's object store and through disk (issue 12, section 4), every figure measured in this one run.
 
 Usage: python benchmarks/runtime_overhead.py [--model tiny|smollm2-135m-instruct] [--steps 6]
-       [--rounds 2] [--set KEY=VALUE ...] [--quick] [--json FILE.json]
+       [--rounds 2] [--runtimes inline,ray[,ray_trainer_actor]] [--set KEY=VALUE ...] [--quick]
+       [--json FILE.json]
 
 ``--quick``: the tiny model, 1 step of 16 trajectories, 1 round, 2 sync repeats (the test that
 the script runs).
@@ -14,13 +15,16 @@ alike). Per run: the training loop's wall-clock per update (``summary.json``: th
 ``wall_seconds / steps``; model loading, the Ray cluster's start and the actor's setup are not
 in it: they are once per run) and the mean ``time/weight_sync_s`` of its steps (the trainer's
 blocking publish: snapshot of the weights, the transfer, the engine's load). The ratio is
-ray / inline of the medians.
+ray / inline of the medians (``--runtimes``: each against the first; ``ray_trainer_actor`` is
+``runtime.trainer=actor``, the trainer in a Ray actor of its own).
 
 **Weight sync, two transports, one process** (the model's fp32 :class:`~conveyor.sync.WeightUpdate`):
 - object store: ``ray.put`` in the driver + ``ray.get`` in a separate actor process (the
   rollout actor's path: the actor then loads it into its engine, not counted here);
 - disk: :func:`~conveyor.sync.write_weights` (safetensors, fsync, atomic rename) +
-  :func:`~conveyor.sync.read_weights` (what a remote engine's ``/update_weights_from_disk`` does).
+  :func:`~conveyor.sync.read_weights` (what a remote engine's ``/update_weights_from_disk`` does);
+- object store in bf16: the same after :meth:`~conveyor.sync.WeightUpdate.cast` (the wire dtype
+  the Ray runtime uses for bf16 engines), cast included, and its ratio to fp32.
 Medians of 5 after one warm-up; the message size in MB.
 
 Prints a markdown table and one JSON line (also written to ``--json``).
@@ -109,11 +113,15 @@ def _sync_transports(model: str, repeats: int = 5) -> dict:
     try:
         rx = Receiver.remote()
         ray.get(rx.fetch.remote([ray.put(update)]))  # warm-up (actor start, first put)
-        store = []
+        store, store_bf16 = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
             ray.get(rx.fetch.remote([ray.put(update)]))  # in a list: the actor fetches, not Ray's argument resolution
             store.append(time.perf_counter() - t0)
+            # the wire dtype of bf16 engines (runtime/ray.py wire_dtype): cast, put, fetch
+            t0 = time.perf_counter()
+            ray.get(rx.fetch.remote([ray.put(update.cast(torch.bfloat16))]))
+            store_bf16.append(time.perf_counter() - t0)
     finally:
         if started:
             ray.shutdown()
@@ -128,7 +136,9 @@ def _sync_transports(model: str, repeats: int = 5) -> dict:
             got = read_weights(path)
             disk.append(time.perf_counter() - t0)
         assert torch.equal(next(iter(got.state_dict().values())), next(iter(update.state_dict().values())))
-    return {"message_mb": size_mb, "object_store_s": statistics.median(store), "disk_s": statistics.median(disk)}
+    return {"message_mb": size_mb, "object_store_s": statistics.median(store), "disk_s": statistics.median(disk),
+            "object_store_bf16_s": statistics.median(store_bf16),
+            "bf16_over_fp32": statistics.median(store_bf16) / statistics.median(store)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -176,7 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
     for rt in names[1:]:
         print(f"{rt} / {base}: {out['over_first'][rt]:.3f}x per update")
     print(f"one version ({transports['message_mb']:.0f} MB): object store {transports['object_store_s']:.3f} s, "
-          f"disk (safetensors write + read) {transports['disk_s']:.3f} s")
+          f"disk (safetensors write + read) {transports['disk_s']:.3f} s; object store in bf16 (cast included) "
+          f"{transports['object_store_bf16_s']:.3f} s = {transports['bf16_over_fp32']:.2f}x")
     print(json.dumps(out))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")

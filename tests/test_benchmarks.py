@@ -311,6 +311,7 @@ def test_runtime_overhead_benchmark_quick(quick):
     assert r["ray_over_inline"] == pytest.approx(r["s_per_update"]["ray"] / r["s_per_update"]["inline"])
     t = r["transport"]
     assert t["message_mb"] > 0 and t["object_store_s"] > 0 and t["disk_s"] > 0
+    assert t["bf16_over_fp32"] == pytest.approx(t["object_store_bf16_s"] / t["object_store_s"])
 
 
 def test_fsdp_benchmark_quick(quick):

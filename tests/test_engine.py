@@ -729,6 +729,29 @@ def test_weight_update_sends_tied_embeddings_once_and_applies_aliases(ref):
         eng.update_weights(WeightUpdate(version=2, tensors={}, aliases={"lm_head.weight": "nope"}))
 
 
+def test_a_bf16_wire_update_gives_a_bf16_engine_exactly_the_weights_a_float32_update_gives(ref):
+    # WeightUpdate.cast (the Ray runtime's wire dtype for bf16 engines): half the bytes, and the
+    # same round-to-nearest-even the engine's own cast applies, so the stored weights are equal
+    model, tok = fresh_model()
+    upd = perturbed_update(model, version=1)
+    wire = upd.cast(torch.bfloat16)
+    assert wire.num_bytes * 2 == upd.num_bytes and wire.aliases == upd.aliases and wire.version == 1
+    assert all(t.dtype == torch.bfloat16 for t in wire.tensors.values() if t.is_floating_point())
+    # by hand: bf16 spacing at 1 is 2^-7. 1 + 2^-8 is halfway between 1 and 1 + 2^-7: the tie goes
+    # to the even mantissa (1.0); 1 + 3 * 2^-8 is halfway between 1 + 2^-7 (odd) and 1 + 2^-6
+    # (even): up; 1 + 2^-9 is below halfway: down
+    hand = WeightUpdate(version=1, tensors={"w": torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-9]),
+                                            "i": torch.tensor([7])})
+    assert hand.cast(torch.bfloat16).tensors["w"].float().tolist() == [1.0, 1 + 2**-6, 1.0]
+    assert hand.cast(torch.bfloat16).tensors["i"].dtype == torch.int64
+    a, _ = fresh_model()
+    b, _ = fresh_model()
+    InferenceEngine(a, tok, dtype=torch.bfloat16).update_weights(upd)
+    InferenceEngine(b, tok, dtype=torch.bfloat16).update_weights(wire)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa) and sa["lm_head.weight"].dtype == torch.bfloat16
+
+
 def test_update_without_reencoding_keeps_the_kv_cache(ref):
     old_model, tok, prompts = ref
     update = perturbed_update(old_model, version=1)

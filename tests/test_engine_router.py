@@ -492,8 +492,29 @@ def test_a_replacement_that_outlasts_the_wait_is_reported_not_waited_for_forever
         return FakeEngine(60)
 
     r = EngineRouter([a, b], restart=restart, replace_timeout_s=0.1)
+    r.start()
     r._on_death(1, 0, "test")
     assert r.wait_for_replacements() is False
     assert r.stats()["engines"][1]["state"] == "replacing"
     release.set()
     assert r.wait_for_replacements(5) is True and r.engines[1].name == 60
+
+
+def test_an_engine_found_dead_after_stop_is_replaced_only_when_the_router_starts_again():
+    # after stop() the caller cleans up (kills the engine actors it knows): nothing may be built then
+    a, b = FakeEngine(0), FakeEngine(1)
+    built = []
+
+    def restart(slot, update):
+        built.append(slot)
+        return FakeEngine(70)
+
+    r = EngineRouter([a, b], restart=restart)
+    r.start()
+    r.stop()
+    b.dead = True
+    st = r.stats()  # finds it dead
+    assert st["engines"][1]["state"] == "replacing" and r.wait_for_replacements(1) and built == []
+    r.start()
+    assert r.wait_for_replacements(5) and built == [1] and r.engines[1].name == 70
+    assert r.stats()["engines"][1]["state"] == "live"

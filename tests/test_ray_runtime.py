@@ -23,6 +23,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 ray = pytest.importorskip("ray", reason="the Ray runtime needs Ray: pip install 'conveyor[ray]'")
 
@@ -234,6 +235,26 @@ def test_a_dead_trainer_actor_stops_the_run_and_its_last_checkpoint_resumes(tmp_
     res = run_training(load_config(None, common + ["trainer.total_steps=5"]), resume_dir=run)
     assert res.steps == 5
     assert [r["step"] for r in rows_of(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+
+
+def test_a_non_finite_step_in_the_trainer_actor_is_logged_and_checkpointed_at_its_own_version(tmp_path, cluster,
+                                                                                              monkeypatch):
+    # the step still counts (the trainer's version moved before it raised): the driver's proxy
+    # must see the version the failure left, or it logs and checkpoints the step before
+    from conveyor.trainer.trainer import NonFiniteLossError
+
+    monkeypatch.setenv("CONVEYOR_TRAINER_ACTOR_FAULTS", "nonfinite@loss#1")
+    run = tmp_path / "r"
+    cfg = load_config(None, BASE + RAY + NO_EVAL + ["async.eta=1", "runtime.trainer=actor", f"run.dir={run}",
+                                                    "trainer.total_steps=5", "trainer.max_nonfinite_in_a_row=1"])
+    with pytest.raises(NonFiniteLossError):
+        run_training(cfg)
+    events = rows_of(run / "events.jsonl")
+    assert [e["version"] for e in events if e["event"] == "skipped_nonfinite"] == [1]
+    assert [r["step"] for r in rows_of(run / "metrics.jsonl")] == [1]
+    ckpt = _latest_checkpoint(run)
+    assert ckpt.name == "step_1"
+    assert torch.load(ckpt / "trainer.pt", weights_only=False)["version"] == 1
 
 
 def test_a_crash_inside_the_actor_stops_the_run_with_its_message_and_a_final_checkpoint(tmp_path, cluster,

@@ -103,6 +103,15 @@ class WeightUpdate:
         out.update({name: self.tensors[src] for name, src in self.aliases.items()})
         return out
 
+    def cast(self, dtype: torch.dtype) -> WeightUpdate:
+        """A copy with every floating-point tensor of :attr:`tensors` cast to ``dtype`` (e.g.
+        ``torch.bfloat16`` for a bf16 engine: half the bytes on the wire, and exactly what the
+        engine stores, since :func:`apply_update` casts with the same round-to-nearest-even).
+        Integer tensors, aliases and LoRA factors are kept as they are (factors are merged by
+        the receiver in its own precision)."""
+        tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in self.tensors.items()}
+        return WeightUpdate(version=self.version, tensors=tensors, aliases=dict(self.aliases), lora=dict(self.lora))
+
     @classmethod
     def from_model(cls, model: torch.nn.Module, version: int, dtype: torch.dtype | None = None) -> WeightUpdate:
         """Snapshot ``model``'s state dict as an update message (copies every tensor).

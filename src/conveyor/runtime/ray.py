@@ -102,6 +102,18 @@ def require_ray():
     return ray
 
 
+def wire_dtype(cfg):
+    """The dtype weights travel in to the rollout side: ``torch.bfloat16`` when the engines run
+    bf16 (``rollout.engine_dtype`` resolved: half of float32's bytes through the object store,
+    and exactly the weights the engines store, :meth:`~conveyor.sync.WeightUpdate.cast`),
+    else None (as the trainer holds them)."""
+    if cfg.rollout.engine_dtype == "bfloat16":
+        import torch
+
+        return torch.bfloat16
+    return None
+
+
 def run_cpus(cfg) -> float:
     """CPUs the run's actors reserve: the rollout actor, engine actors 1 .. N-1 and, with
     ``runtime.trainer=actor``, the trainer actor (``runtime.*_num_cpus``)."""
@@ -320,7 +332,10 @@ class RolloutActor:
             self.engine = EngineRouter([engine0, *clients], restart=restart, initial=weights,
                                        max_restarts=cfg.runtime.max_engine_restarts,
                                        max_batch_size=cfg.rollout.max_batch_size,
-                                       update_timeout_s=cfg.runtime.call_timeout_s)
+                                       update_timeout_s=cfg.runtime.call_timeout_s,
+                                       # below the driver's wait for close() (60 s); an engine
+                                       # actor still starting after it dies with this actor
+                                       replace_timeout_s=45.0)
         self.engine.start()
         self.reward_service = RewardService(reward_fn, timeout_s=cfg.reward.timeout_s,
                                             failure_score=cfg.reward.failure_score, max_workers=cfg.reward.workers,
@@ -766,10 +781,13 @@ class RayEngine:
 
     Args:
         handle: The actor's :class:`_Handle`.
+        wire_dtype: The dtype local updates are cast to before ``ray.put`` (the engines' dtype
+            when they run bf16: half the bytes, the same weights in the engine), or None.
     """
 
-    def __init__(self, handle: _Handle):
+    def __init__(self, handle: _Handle, wire_dtype=None):
         self._h = handle
+        self.wire_dtype = wire_dtype
         self._last_stats: dict | None = None
         self._offset: dict[str, float] = {}  # the counters of engines that died (restarts)
 
@@ -836,7 +854,7 @@ class RayEngine:
         ray = self._h.ray
         # passed as [ref]: the actor hands the same object to its engine actors (a trainer
         # actor's RemoteWeightUpdate: its own reference, never through this process)
-        ref = weights_ref(ray, update)
+        ref = weights_ref(ray, update, self.wire_dtype)
         if wait:
             self._h.call("update_weights", [ref], passthrough=(ValueError, KeyError, TypeError))
             fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -1021,7 +1039,7 @@ class _ActorReviver:
             fresh = None
             try:
                 actor, fresh = start_rollout_actor(self.cfg.runtime, logger=self.logger, faults=False)
-                weights = weights_ref(self.h.ray, self.trainer.weight_update())
+                weights = weights_ref(self.h.ray, self.trainer.weight_update(), wire_dtype(self.cfg))
                 info = fresh.call("setup", self.cfg, self.train_samples, [weights], engine_threads=self.engine_threads,
                                   track_partials=False, warmup_batches=self.trainer.critic_warmup_done,
                                   n_too_long=self.n_too_long, controller_state=self.snapshot)
@@ -1103,7 +1121,10 @@ def build_ray_rollout(cfg, trainer, train_samples, *, engine_threads: int, logge
 
     ctx.stack.callback(close)
     t0 = time.perf_counter()
-    weights = weights_ref(ray, trainer.weight_update())  # (runtime.trainer=actor: put by the trainer actor)
+    wire = wire_dtype(cfg)
+    if hasattr(trainer, "wire_dtype"):  # a trainer actor casts before its own put
+        trainer.wire_dtype = wire
+    weights = weights_ref(ray, trainer.weight_update(), wire)  # (runtime.trainer=actor: put by the trainer actor)
     try:
         info = handle.call("setup", cfg, list(train_samples), [weights], engine_threads=engine_threads,
                            track_partials=tracks_partials(trainer.proximal),
@@ -1128,7 +1149,7 @@ def build_ray_rollout(cfg, trainer, train_samples, *, engine_threads: int, logge
                  engine_pids=info["engine_pids"], trainer=cfg.runtime.trainer,
                  trainer_pid=getattr(trainer, "pid", os.getpid()), trainer_node=getattr(trainer, "node", None),
                  setup_seconds=time.perf_counter() - t0, cluster_cpus=ray.cluster_resources().get("CPU", 0))
-    engine = RayEngine(handle)
+    engine = RayEngine(handle, wire)
     if reviver is not None:
         reviver.engine = engine
     rollout = RayRollout(handle)

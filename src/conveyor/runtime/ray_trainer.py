@@ -12,10 +12,12 @@ runtime uses. Messages only:
 
 - ``train_step`` / ``critic_warmup_step``: the batch (:class:`~conveyor.types.Trajectory` list)
   in, the step's metrics out; the trainer's counters (version, warm-up) come back with every
-  answer, so reading them costs no call;
-- ``weight_update``: the actor ``ray.put``\\ s the :class:`~conveyor.sync.WeightUpdate` once and
-  returns its reference as a :class:`RemoteWeightUpdate`; the rollout actor (and its engine
-  actors) read that object directly, so the weights never pass through the driver;
+  answer (and with an error: a non-finite step still counts), so reading them is not a call
+  (each call is followed by one short call that forwards the actor's log records);
+- ``weight_update``: the actor ``ray.put``\\ s the :class:`~conveyor.sync.WeightUpdate` once (in
+  the engines' dtype when they run bf16: :attr:`RayTrainer.wire_dtype`) and returns its
+  reference as a :class:`RemoteWeightUpdate`; the rollout actor (and its engine actors) read
+  that object directly, so the weights never pass through the driver;
 - ``state_dict`` / ``load_state_dict``: the checkpoint's ``trainer.pt`` contents (CPU tensors),
   written and read by the driver as with a local trainer, so checkpoints of either placement
   resume under the other;
@@ -23,11 +25,14 @@ runtime uses. Messages only:
   pickled to the driver; ``lora.save_adapter``: peft's files, written by the driver.
 
 Faults: a trainer actor that dies (or raises) stops the run with a :class:`TrainerActorError`
-naming the call; the final checkpoint then needs the dead actor's state and is skipped (logged),
-so the last periodic checkpoint stays the newest, and ``conveyor train --resume`` continues from
-it (under either placement). ``CONVEYOR_TRAINER_ACTOR_FAULTS`` in the driver becomes the actor's
-``CONVEYOR_FAULTS`` (:mod:`conveyor.faults`; e.g. ``kill@train_step#3``). Calls have no timeout
-(an update may take minutes); a death is reported by Ray at once.
+naming the call. The final checkpoint needs the dead actor's state: when a periodic checkpoint of
+the current version exists it is the final one, else the attempt fails (logged,
+``checkpoint_failed``); either way the last periodic checkpoint is intact and ``conveyor train
+--resume`` continues from it (under either placement). ``CONVEYOR_TRAINER_ACTOR_FAULTS`` in the
+driver becomes the actor's ``CONVEYOR_FAULTS`` (:mod:`conveyor.faults`; e.g.
+``kill@train_step#3``). The set-up waits at most ``runtime.call_timeout_s``; later calls have no
+timeout (an update may take minutes): a dead actor process is reported by Ray at once, a hung
+one (or an unreachable node) is not detected.
 
 Not with this placement (refused by the configuration): ``trainer.world_size`` > 1 (the data
 parallel processes are the driver's) and ``proximal.method=dedicated`` (its worker reads the
@@ -77,12 +82,14 @@ class RemoteWeightUpdate:
     num_bytes: int = 0
 
 
-def weights_ref(ray, update) -> Any:
-    """The object reference of ``update``: a :class:`RemoteWeightUpdate`'s own, else one
-    ``ray.put`` of the local :class:`~conveyor.sync.WeightUpdate`."""
+def weights_ref(ray, update, dtype=None) -> Any:
+    """The object reference of ``update``: a :class:`RemoteWeightUpdate`'s own (the trainer
+    actor cast it already), else one ``ray.put`` of the local
+    :class:`~conveyor.sync.WeightUpdate`, cast to ``dtype`` first when given (the wire dtype:
+    :meth:`~conveyor.sync.WeightUpdate.cast`)."""
     if isinstance(update, RemoteWeightUpdate):
         return update.ref
-    return ray.put(update)
+    return ray.put(update if dtype is None else update.cast(dtype))
 
 
 class TrainerActor:
@@ -153,12 +160,18 @@ class TrainerActor:
         """
         if method not in _CALLS:
             raise ValueError(f"TrainerActor.call: {method!r} is not one of {sorted(_CALLS)}")
-        if method == "proximal_extra_bytes":
-            out = self.trainer.proximal.extra_bytes()
-        elif method == "save_adapter_files":
-            out = self._adapter_files()
-        else:
-            out = getattr(self.trainer, method)(*args, **kwargs)
+        try:
+            if method == "proximal_extra_bytes":
+                out = self.trainer.proximal.extra_bytes()
+            elif method == "save_adapter_files":
+                out = self._adapter_files()
+            else:
+                out = getattr(self.trainer, method)(*args, **kwargs)
+        except Exception as e:
+            # the counters as the failure left them (a non-finite step still counts: the
+            # version moved), so the driver logs and checkpoints the right step
+            e.trainer_info = self.info()
+            raise
         return out, self.info()
 
     def _adapter_files(self) -> dict[str, bytes]:
@@ -166,11 +179,14 @@ class TrainerActor:
             self.trainer.lora.save_adapter(d)
             return {str(p.relative_to(d)): p.read_bytes() for p in Path(d).rglob("*") if p.is_file()}
 
-    def weight_update(self) -> list:
-        """``[RemoteWeightUpdate]`` of the current parameters (``ray.put`` once, here)."""
+    def weight_update(self, dtype=None) -> list:
+        """``[RemoteWeightUpdate]`` of the current parameters (``ray.put`` once, here; cast to
+        ``dtype`` first when given: the engines' wire dtype)."""
         import ray
 
         upd = self.trainer.weight_update()
+        if dtype is not None:
+            upd = upd.cast(dtype)
         return [RemoteWeightUpdate(upd.version, ray.put(upd), upd.num_bytes)]
 
     def drain(self) -> list[dict]:
@@ -205,6 +221,7 @@ class RayTrainer:
         self.bf16 = bool(info["bf16"])
         self.pid = info["pid"]
         self.node = info["node"]
+        self.wire_dtype = None  # set by the Ray rollout side: the engines' dtype when it saves bytes
 
     # ------------------------------------------------------------------ counters (no call)
     @property
@@ -237,7 +254,12 @@ class RayTrainer:
         try:
             out, info = ray.get(self.actor.call.remote(method, *args, **kwargs))
         except ray.exceptions.RayTaskError as e:
+            self.forward()  # (the actor's log of the failure first)
             cause = getattr(e, "cause", None)
+            info = getattr(cause, "trainer_info", None)
+            if info is not None:
+                with self._lock:
+                    self._info = info
             if isinstance(cause, (NonFiniteLossError, ValueError, KeyError, TypeError)):
                 raise cause from None  # the trainer's own error, as a local trainer raises it
             what = f"{type(cause).__name__}: {cause}" if cause is not None else str(e).splitlines()[0]
@@ -247,8 +269,8 @@ class RayTrainer:
             self.dead = (f"the trainer actor died during {method}(): {' '.join(first[:3]) if first else type(e).__name__}"
                          " (the run stops; its last checkpoint is intact: conveyor train --resume RUN_DIR)")
             raise TrainerActorError(self.dead) from None
-        finally:
-            self.forward()
+        # (not after a Ctrl-C: a drain would wait behind the call still running in the actor)
+        self.forward()
         with self._lock:
             self._info = info
         return out
@@ -287,7 +309,7 @@ class RayTrainer:
         if self.dead is not None:
             raise TrainerActorError(f"{self.dead}; weight_update() was not called")
         try:
-            (upd,) = self._ray.get(self.actor.weight_update.remote())
+            (upd,) = self._ray.get(self.actor.weight_update.remote(self.wire_dtype))
         except self._ray.exceptions.RayError as e:
             raise TrainerActorError(f"trainer actor: weight_update() failed: {type(e).__name__}: "
                                     f"{str(e).splitlines()[0] if str(e) else ''}") from None
@@ -391,11 +413,26 @@ def start_trainer_actor(cfg, *, bf16_choice: bool | None, threads: int, ctx) -> 
     if env:
         opts["runtime_env"] = {"env_vars": env}
     actor = ray.remote(TrainerActor).options(**opts).remote(collect_logs=True)
-    proxy = None
+    holder: list = [actor]  # killed however the run ends, also during the set-up below (Ctrl-C)
+
+    def kill() -> None:
+        try:
+            ray.kill(holder[0])
+        except Exception:
+            pass
+
+    ctx.stack.callback(kill)
+    timeout = cfg.runtime.call_timeout_s
     try:
-        info = ray.get(actor.setup.remote(cfg, bf16_choice=bf16_choice, threads=threads))
+        info = ray.get(actor.setup.remote(cfg, bf16_choice=bf16_choice, threads=threads), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        kill()
+        raise TrainerActorError(
+            f"the trainer actor was not set up within {timeout:.0f} s (runtime.call_timeout_s): it asks for "
+            f"runtime.trainer_num_cpus={cfg.runtime.trainer_num_cpus} CPUs of the cluster's "
+            f"{ray.cluster_resources().get('CPU', 0):g} (free now: {ray.available_resources().get('CPU', 0):g})") from None
     except ray.exceptions.RayError as e:
-        ray.kill(actor)
+        kill()
         cause = getattr(e, "cause", None)
         if isinstance(cause, ValueError):  # a configuration error, as a local trainer raises it
             raise cause from None

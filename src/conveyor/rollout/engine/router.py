@@ -177,6 +177,7 @@ class EngineRouter:
         self._dead: set[int] = set()  # dead for good (no restart left)
         self._restart_locks = [threading.Lock() for _ in range(n)]
         self._replacing: dict[int, tuple[int, threading.Thread]] = {}  # slot -> (generation, thread)
+        self._pending: dict[int, tuple[int, str]] = {}  # slot -> (generation, why): died while stopped
         self.replace_timeout_s = replace_timeout_s
         self._offset: list[dict[str, float]] = [{} for _ in range(n)]  # counters of replaced engines
         self._last_stats: list[dict | None] = [None] * n
@@ -234,7 +235,7 @@ class EngineRouter:
                 f.result()
             except EngineDiedError as e:  # replaced at the next request; not this call's failure
                 log.warning("engine %d: %s() found it dead: %s", i, method, e)
-                self._replace_later(i, gens[i], str(e))
+                self._on_death(i, gens[i], str(e))
             except Exception as e:
                 if tolerant:
                     log.warning("engine %d: %s() failed: %s", i, method, e)
@@ -244,10 +245,15 @@ class EngineRouter:
             raise first
 
     def start(self) -> None:
-        """Start every engine (idempotent)."""
+        """Start every engine (idempotent); an engine found dead while the router was stopped is
+        replaced now."""
         with self._control:
             self._started = True
             self._each("start")
+            with self._lock:
+                pending, self._pending = self._pending, {}
+        for slot, (gen, why) in pending.items():
+            self._on_death(slot, gen, why)
 
     def stop(self) -> None:
         """Stop every engine (tolerant: a failure is logged); in-flight requests resolve with
@@ -286,6 +292,8 @@ class EngineRouter:
         per = []
         with self._lock:
             slots = [(i, e, self._gen[i], i in self._down) for i, e in enumerate(self._engines)]
+            states = ["dead" if i in self._dead else "replacing" if i in self._down else "live"
+                      for i in range(len(self._engines))]
         for i, e, gen, down in slots:
             st = None
             if not down:
@@ -296,14 +304,15 @@ class EngineRouter:
                     self._last_stats[i] = st
                 except EngineDiedError as err:
                     log.warning("engine %d: stats() found it dead: %s", i, err)
-                    self._replace_later(i, gen, str(err))
+                    self._on_death(i, gen, str(err))
+                    with self._lock:
+                        states[i] = "dead" if i in self._dead else "replacing"
             if st is None:  # a dead engine: its counters so far, no requests running or waiting
                 st = {k: v for k, v in (self._last_stats[i] or {}).items() if k in CUMULATIVE_ENGINE_STATS}
             per.append(st)
         out = merge_engine_stats(per)
-        with self._lock:  # (after the merge: a per-engine field only)
-            for i, st in enumerate(per):
-                st["state"] = "dead" if i in self._dead else "replacing" if i in self._down else "live"
+        for st, state in zip(per, states, strict=True):  # (after the merge: a per-engine field only)
+            st["state"] = state
         out["num_engines"] = len(self._engines)
         out["engines"] = per
         with self._lock:
@@ -356,7 +365,7 @@ class EngineRouter:
             if err is not None:
                 log.warning("engine %d died during a weight update: %s (its replacement starts from these weights)",
                             i, err)
-                self._replace_later(i, gens[i], str(err))
+                self._on_death(i, gens[i], str(err))
             with count_lock:
                 pending[0] -= 1
                 last = pending[0] == 0
@@ -429,7 +438,7 @@ class EngineRouter:
                     p, n = f.result()
                 except EngineDiedError as err:  # its share goes to the engines still alive
                     log.warning("engine %d died while scoring: %s", slot, err)
-                    self._replace_later(slot, gen, str(err))
+                    self._on_death(slot, gen, str(err))
                     failed.extend(share)
                     continue
                 patches.extend(p)
@@ -452,7 +461,7 @@ class EngineRouter:
                 out.append(f.result())
             except EngineDiedError as err:
                 log.warning("engine %d: %s() found it dead: %s", i, method, err)
-                self._replace_later(i, gen, str(err))
+                self._on_death(i, gen, str(err))
         return out
 
     # ------------------------------------------------------------------ routing
@@ -544,9 +553,9 @@ class EngineRouter:
                 # now on a live engine (or waits for the replacement when none is left)
                 self._on_death(slot, gen, str(e))
                 with self._lock:
-                    self.resubmitted += 1
                     if len(self._dead) == len(self._engines):
                         raise RuntimeError(f"engine {slot} died ({e}) and no engine is left") from e
+                    self.resubmitted += 1
                 continue
             finally:
                 with self._lock:
@@ -566,6 +575,11 @@ class EngineRouter:
             running = self._replacing.get(slot)
             if running is not None and running[0] == gen and running[1].is_alive():
                 return  # this death's replacement is already under way (never block on it here)
+            if not self._started and self._restart is not None:
+                # stopped (the run is ending): out of rotation only, no engine built behind the
+                # caller's cleanup; start() replaces it
+                self._pending[slot] = (gen, why)
+                return
             can_restart = self._restart is not None and self.restarts < self.max_restarts
         if can_restart:
             self._replace_later(slot, gen, why)
@@ -596,17 +610,18 @@ class EngineRouter:
             timeout (it is then left to finish in the background, logged).
         """
         deadline = time.monotonic() + (self.replace_timeout_s if timeout_s is None else timeout_s)
-        with self._lock:
-            threads = [(slot, t) for slot, (_, t) in self._replacing.items()]
-        done = True
-        for slot, t in threads:
-            if t.is_alive():
+        while True:  # (again until none is alive: one may have started during the wait)
+            with self._lock:
+                threads = [(slot, t) for slot, (_, t) in self._replacing.items() if t.is_alive()]
+            if not threads:
+                return True
+            for slot, t in threads:
                 log.info("waiting for engine %d's replacement to finish starting", slot)
-            t.join(max(0.0, deadline - time.monotonic()))
-            if t.is_alive():
-                log.warning("engine %d's replacement is still starting after the wait; left in the background", slot)
-                done = False
-        return done
+                t.join(max(0.0, deadline - time.monotonic()))
+                if t.is_alive():
+                    log.warning("engine %d's replacement is still starting after the wait; left in the background",
+                                slot)
+                    return False
 
     def _replace(self, slot: int, gen: int, why: str) -> bool:
         """Replace the engine of ``slot`` that died under generation ``gen`` (a no-op when
