@@ -183,7 +183,8 @@ def test_an_actor_that_cannot_build_is_reported_with_its_message(tmp_path, clust
     assert wait_cpus_free() >= 2  # the actor is gone
 
 
-def test_a_trainer_actor_trains_like_the_driver_and_its_checkpoints_resume_under_either_placement(tmp_path, cluster):
+def test_a_trainer_actor_trains_like_the_driver_and_its_checkpoints_resume_under_either_placement(tmp_path, cluster,
+                                                                                                  monkeypatch):
     # runtime.trainer=actor: the policy, optimizer and updates in a Ray actor of their own, the
     # weights from it to the rollout actor through the object store; at eta = 0 with a dense
     # reward both placements train on the same batches with the same loss (tolerance: see the
@@ -191,11 +192,18 @@ def test_a_trainer_actor_trains_like_the_driver_and_its_checkpoints_resume_under
     common = BASE + NO_EVAL + ["async.eta=0", "trainer.bf16=false", "run.checkpoint_every=1",
                                "reward.fn=conveyor.rewards.faults:response_length_reward"]
     runs = {}
+
+    def no_weights_here(*a, **k):
+        raise AssertionError("the driver loaded the model's weights although the trainer is an actor")
+
     for placement in ("driver", "actor"):
         runs[placement] = tmp_path / placement
         cfg = load_config(None, common + RAY + ["trainer.total_steps=2", f"runtime.trainer={placement}",
                                                 f"run.dir={runs[placement]}"])
+        if placement == "actor":  # the weights live in the actor only (the config and tokenizer here)
+            monkeypatch.setattr("conveyor.train.load_model", no_weights_here)
         run_training(cfg)
+    monkeypatch.undo()
     rt = next(e for e in rows_of(runs["actor"] / "events.jsonl") if e["event"] == "runtime")
     assert rt["trainer"] == "actor" and rt["trainer_pid"] not in (os.getpid(), rt["actor_pid"])
     m = {p: rows_of(runs[p] / "metrics.jsonl") for p in runs}

@@ -352,6 +352,26 @@ def tiny_config(vocab_size: int, bos_token_id: int | None, eos_token_id: int | N
     )
 
 
+def load_model_config(name: str = DEFAULT_MODEL, tokenizer=None):
+    """The model's ``transformers`` configuration without its weights (what a process that
+    does not hold the model needs, e.g. the driver of a run whose trainer is a Ray actor).
+
+    Args:
+        name: As :func:`load_model`.
+        tokenizer: The model's tokenizer (the ``tiny`` preset's vocabulary comes from it), or
+            None to load it.
+
+    Raises:
+        ModelLoadError: as :func:`load_model`.
+    """
+    if name == "tiny":
+        tok = tokenizer if tokenizer is not None else load_tokenizer(DEFAULT_MODEL)
+        return tiny_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(_resolve(name)[0]))
+
+
 def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> LoadedModel:
     """Load a causal LM and its tokenizer, fully offline.
 

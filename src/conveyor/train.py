@@ -22,6 +22,8 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 from rich.markup import escape
@@ -36,7 +38,7 @@ from conveyor.checkpoint import (
 from conveyor.config import TrainConfig, load_config
 from conveyor.data import load_dataset
 from conveyor.hardware import resolve_bf16
-from conveyor.models import load_model
+from conveyor.models import load_model, load_model_config, load_tokenizer
 from conveyor.rewards import load_reward_fn
 from conveyor.rundir import (
     RunContext,
@@ -220,8 +222,14 @@ def _load_job(cfg: TrainConfig, start: _Start, console, ctx: RunContext) -> _Job
     reward_fn = load_reward_fn(cfg.reward.fn)
     train_samples = load_dataset(cfg.data.train, split_seed=cfg.data.split_seed)
     heldout = load_dataset(cfg.data.heldout, split_seed=cfg.data.split_seed, limit=cfg.data.heldout_limit) if cfg.data.heldout else []
-    lm = load_model(cfg.model.name, seed=cfg.model.seed)
-    train_samples, heldout, n_too_long, warnings = preflight_samples(cfg, train_samples, heldout, lm.tokenizer, lm.model)
+    trainer_actor = cfg.runtime.name == "ray" and cfg.runtime.trainer == "actor"
+    if trainer_actor:  # the weights live in the trainer actor only (this process may lack the memory)
+        tokenizer = load_tokenizer(cfg.model.name)
+        policy: Any = SimpleNamespace(config=load_model_config(cfg.model.name, tokenizer))  # (preflight: its context)
+    else:
+        lm = load_model(cfg.model.name, seed=cfg.model.seed)
+        tokenizer, policy = lm.tokenizer, lm.model
+    train_samples, heldout, n_too_long, warnings = preflight_samples(cfg, train_samples, heldout, tokenizer, policy)
     # a resume keeps trainer.bf16=auto's first choice (a new measurement could flip the precision)
     bf16_choice = recorded_bf16(start.run_dir) if start.run_dir is not None else None
     group, precision_note = None, None
@@ -232,15 +240,15 @@ def _load_job(cfg: TrainConfig, start: _Start, console, ctx: RunContext) -> _Job
         torch.set_num_threads(trainer_threads)
         group = TrainerGroup.start(cfg, bf16=bf16_choice, threads=trainer_threads)
         ctx.stack.callback(group.close)
-    if cfg.runtime.name == "ray" and cfg.runtime.trainer == "actor":  # the trainer in a Ray actor of its own
+    if trainer_actor:  # the trainer in a Ray actor of its own
         from conveyor.runtime.ray_trainer import start_trainer_actor
 
         trainer = start_trainer_actor(cfg, bf16_choice=bf16_choice, threads=trainer_threads, ctx=ctx)
     else:
-        trainer = build_trainer(cfg, lm.model, bf16_choice=bf16_choice, data_parallel=group.dp if group else None)
+        trainer = build_trainer(cfg, policy, bf16_choice=bf16_choice, data_parallel=group.dp if group else None)
     if precision_note is not None:
         trainer.precision_note = precision_note
-    job = _Job(trainer, lm.tokenizer, reward_fn, train_samples, heldout, n_too_long, warnings, engine_threads)
+    job = _Job(trainer, tokenizer, reward_fn, train_samples, heldout, n_too_long, warnings, engine_threads)
     if start.ckpt is not None:
         trainer.load_state_dict(torch.load(start.ckpt / "trainer.pt", weights_only=False))
         job.state = torch.load(start.ckpt / "state.pt", weights_only=False)
