@@ -265,6 +265,38 @@ def test_a_non_finite_step_in_the_trainer_actor_is_logged_and_checkpointed_at_it
     assert torch.load(ckpt / "trainer.pt", weights_only=False)["version"] == 1
 
 
+def test_a_weight_update_that_hangs_is_reported_and_retried_never_applied_twice(tmp_path, cluster, monkeypatch):
+    # the actor's engine stalls 4 s while applying an update; the driver gives each attempt 1.5 s
+    # (runtime.sync_timeout_s): the first attempt times out, is reported, and the retry joins it
+    monkeypatch.setenv("CONVEYOR_ACTOR_FAULTS", "stall@weight_sync#2")
+    monkeypatch.setenv("CONVEYOR_FAULTS_STALL_S", "4")
+    run = tmp_path / "r"
+    cfg = load_config(None, BASE + RAY + NO_EVAL + ["trainer.total_steps=3", "async.eta=1", f"run.dir={run}",
+                                                    "runtime.sync_timeout_s=1.5", "runtime.sync_retries=3"])
+    res = run_training(cfg)
+    assert res.steps == 3
+    events = rows_of(run / "events.jsonl")
+    retries = [e for e in events if e["event"] == "weight_sync_retry"]
+    assert retries and all(e["timeout_s"] == 1.5 for e in retries) and len(retries) <= 3
+    assert "error" not in [e["event"] for e in events]
+    stats = json.loads((run / "engine_stats.json").read_text())
+    assert stats["num_weight_updates"] == 3 and stats["version"] == 3  # each version applied once
+    assert "joining the attempt under way" in (run / "train.log").read_text()
+
+
+def test_a_weight_update_that_never_completes_stops_the_run_after_its_retries(tmp_path, cluster, monkeypatch):
+    from conveyor.runtime.ray import RolloutActorTimeout
+
+    monkeypatch.setenv("CONVEYOR_ACTOR_FAULTS", "stall@weight_sync#2")
+    monkeypatch.setenv("CONVEYOR_FAULTS_STALL_S", "8")
+    run = tmp_path / "r"
+    cfg = load_config(None, BASE + RAY + NO_EVAL + ["trainer.total_steps=3", "async.eta=1", f"run.dir={run}",
+                                                    "runtime.sync_timeout_s=1", "runtime.sync_retries=1"])
+    with pytest.raises(RolloutActorTimeout, match=r"not applied after 2 attempt\(s\)"):
+        run_training(cfg)
+    assert [e["attempt"] for e in rows_of(run / "events.jsonl") if e["event"] == "weight_sync_retry"] == [1]
+
+
 def test_a_crash_inside_the_actor_stops_the_run_with_its_message_and_a_final_checkpoint(tmp_path, cluster,
                                                                                        monkeypatch):
     # the actor's engine fails at its 40th decode step (CONVEYOR_ACTOR_FAULTS: the actor only)

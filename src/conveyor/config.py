@@ -558,6 +558,13 @@ class RuntimeConfig(_Strict):
         description="ray: seconds a call to the rollout actor may take before the run stops with an error "
                     "(weight updates, scoring, snapshots); never a silent hang")
     eval_timeout_s: float = Field(default=7200.0, gt=0, description="ray: seconds a held-out evaluation in the actor may take")
+    sync_timeout_s: float | None = Field(
+        default=None, gt=0, description="ray: seconds one weight update to the rollout actor may take before it is "
+                                        "reported and retried (default: call_timeout_s)")
+    sync_retries: int = Field(
+        default=1, ge=0, description="ray: further attempts of a weight update that timed out (a retry joins the "
+                                     "first attempt if it is still applying: never applied twice); then the run "
+                                     "stops with an error")
     max_actor_restarts: int = Field(
         default=2, ge=0,
         description="ray: times a dead rollout actor is restarted per run (from the state of its last hand-out, "

@@ -8,6 +8,8 @@ this process the fault fires::
     CONVEYOR_FAULTS="kill@checkpoint_write#2"           SIGKILL this process (kill -9) there
     CONVEYOR_FAULTS="enospc@checkpoint_write#1"         raise OSError(ENOSPC) there
     CONVEYOR_FAULTS="nonfinite@loss#3,nonfinite@loss#4" the trainer's loss becomes NaN
+    CONVEYOR_FAULTS="stall@weight_sync#2"                 sleep there (CONVEYOR_FAULTS_STALL_S
+                                                          seconds, default 10): a hung sync
 
 Several faults are separated by commas; ``#n`` defaults to 1 (the first hit). Points placed in
 the code (see :data:`POINTS`): ``generate`` (the engine's decode loop, once per step),
@@ -27,15 +29,20 @@ import errno
 import os
 import signal
 import threading
+import time
 
 ENV = "CONVEYOR_FAULTS"
 
 POINTS = ("generate", "train_step", "loss", "checkpoint_write", "weight_sync", "eval", "step_end")
 """Names of the fault points placed in the code."""
 
-ACTIONS = ("kill", "enospc", "nonfinite")
+ACTIONS = ("kill", "enospc", "nonfinite", "stall")
 """``kill``: SIGKILL the process; ``enospc``: raise ``OSError(ENOSPC)``; ``nonfinite``: the
-point returns True and the caller makes its value non-finite (only ``loss`` honours it)."""
+point returns True and the caller makes its value non-finite (only ``loss`` honours it);
+``stall``: sleep :data:`STALL_ENV` seconds (default 10) there, then go on."""
+
+STALL_ENV = "CONVEYOR_FAULTS_STALL_S"
+"""Seconds a ``stall`` fault sleeps."""
 
 
 def parse(spec: str) -> dict[str, dict[int, str]]:
@@ -96,6 +103,8 @@ def fault_point(name: str) -> bool:
         os.kill(os.getpid(), signal.SIGKILL)
     if action == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (injected at {name} #{n})")
+    if action == "stall":
+        time.sleep(float(os.environ.get(STALL_ENV, "10")))
     return action == "nonfinite"
 
 

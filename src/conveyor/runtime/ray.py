@@ -62,13 +62,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from conveyor.faults import STALL_ENV
 from conveyor.rollout.engine.router import CUMULATIVE_ENGINE_STATS
 from conveyor.runtime.ray_engines import ENGINE_ACTOR_FAULTS_ENV, forwarded_env
 from conveyor.runtime.ray_trainer import weights_ref
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RayEngine", "RayRewardService", "RayRollout", "RolloutActor", "RolloutActorError",
+__all__ = ["RayEngine", "RayRewardService", "RayRollout", "RolloutActor", "RolloutActorError", "RolloutActorTimeout",
            "build_ray_rollout", "connect_ray", "require_ray", "start_rollout_actor"]
 
 INSTALL_HINT = "pip install 'conveyor[ray]'"
@@ -83,6 +84,10 @@ ACTOR_FAULTS_ENV = "CONVEYOR_ACTOR_FAULTS"
 class RolloutActorError(RuntimeError):
     """The rollout actor raised, died, or did not answer within its timeout; the message says
     which call, and carries the actor's own message."""
+
+
+class RolloutActorTimeout(RolloutActorError):
+    """The rollout actor did not answer a call within its timeout (it may still be working on it)."""
 
 
 def require_ray():
@@ -234,6 +239,8 @@ class RolloutActor:
         self._skips_lock = threading.Lock()
         self.engine = self.controller = self.buffer = self.reward_service = self.tokenizer = self.workflow = None
         self._refs = None  # WeightRefs (engine actors)
+        self._sync_lock = threading.Lock()
+        self._syncs: dict[int, concurrent.futures.Future] = {}  # version -> its update's outcome (retries join)
         self._engine_actors: list = []  # every engine actor started (replacements too)
 
     # ------------------------------------------------------------------ build
@@ -476,22 +483,50 @@ class RolloutActor:
             raise ValueError(f"engine_call: {name!r} is not a control-plane method")
         return getattr(self.engine, name)(*args, **kwargs)
 
-    def update_weights(self, update) -> int:
-        """Apply a :class:`~conveyor.sync.WeightUpdate`, waiting until every engine has it;
-        returns its version.
+    def update_weights(self, update, version: int | None = None) -> int:
+        """Apply a :class:`~conveyor.sync.WeightUpdate` (or ``[its object reference]``, the
+        driver's ``ray.put``: engine actors then read that same object), waiting until every
+        engine has it.
 
         Args:
-            update: The update, or ``[object reference]`` of it (the driver's ``ray.put``: engine
-                actors then read that same object).
-        """
-        if isinstance(update, list):
-            import ray
+            update: The update, or ``[its object reference]``.
+            version: Its version, given by a driver that may retry the call after a timeout
+                (``runtime.sync_retries``): a call for a version already applied or being
+                applied joins that attempt's outcome instead of applying it again.
 
-            ref = update[0]
-            update = ray.get(ref)
-            if self._refs is not None:
-                self._refs.remember(update, ref)
-        self.engine.update_weights(update)
+        Returns:
+            The version applied.
+        """
+        fut: concurrent.futures.Future | None = None
+        if version is not None:
+            with self._sync_lock:
+                fut = self._syncs.get(version)
+                if fut is not None:  # a retry: the first attempt's outcome
+                    log.warning("weight update to version %d asked again (a retry after a timeout in the driver): "
+                                "joining the attempt under way", version)
+                    owner = False
+                else:
+                    fut = self._syncs[version] = concurrent.futures.Future()
+                    owner = True
+                    for old in [v for v in self._syncs if v < version - 4]:  # (a few kept)
+                        del self._syncs[old]
+            if not owner:
+                return fut.result()
+        try:
+            if isinstance(update, list):
+                import ray
+
+                ref = update[0]
+                update = ray.get(ref)
+                if self._refs is not None:
+                    self._refs.remember(update, ref)
+            self.engine.update_weights(update)
+        except BaseException as e:
+            if fut is not None:
+                fut.set_exception(e)
+            raise
+        if fut is not None:
+            fut.set_result(update.version)
         return update.version
 
     def generate(self, prompt_ids: list[int], params, timeout_s: float | None = None):
@@ -584,8 +619,8 @@ class _Handle:
                     self.call_seconds += time.perf_counter() - t0
             return out
         except ray.exceptions.GetTimeoutError:
-            raise RolloutActorError(f"the rollout actor did not answer {method}() within {timeout:.0f} s "
-                                    "(runtime.call_timeout_s); stopping rather than waiting forever") from None
+            raise RolloutActorTimeout(f"the rollout actor did not answer {method}() within {timeout:.0f} s "
+                                      "(runtime.call_timeout_s); stopping rather than waiting forever") from None
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", None)
             if isinstance(cause, passthrough):
@@ -783,11 +818,17 @@ class RayEngine:
         handle: The actor's :class:`_Handle`.
         wire_dtype: The dtype local updates are cast to before ``ray.put`` (the engines' dtype
             when they run bf16: half the bytes, the same weights in the engine), or None.
+        sync_timeout_s: Seconds one weight update may take before it is retried (None: the
+            handle's timeout, ``runtime.call_timeout_s``).
+        sync_retries: Further attempts of an update that timed out.
     """
 
-    def __init__(self, handle: _Handle, wire_dtype=None):
+    def __init__(self, handle: _Handle, wire_dtype=None, *, sync_timeout_s: float | None = None,
+                 sync_retries: int = 1):
         self._h = handle
         self.wire_dtype = wire_dtype
+        self.sync_timeout_s = sync_timeout_s
+        self.sync_retries = sync_retries
         self._last_stats: dict | None = None
         self._offset: dict[str, float] = {}  # the counters of engines that died (restarts)
 
@@ -844,23 +885,43 @@ class RayEngine:
         """Send a :class:`~conveyor.sync.WeightUpdate`: ``ray.put`` once, the actor applies it
         between two decode steps.
 
+        With ``wait``, an update not applied within ``sync_timeout_s`` is reported (a warning and
+        a ``weight_sync_retry`` event) and asked again, ``sync_retries`` times; a retry joins the
+        attempt still under way in the actor (:meth:`RolloutActor.update_weights` by version),
+        so the weights are never applied twice.
+
         Returns:
             A future resolving to None when the engine has the weights (done when ``wait``).
 
         Raises:
             ValueError / KeyError / TypeError: the engine refused the update (as in the actor).
-            RolloutActorError: the actor failed, died or timed out.
+            RolloutActorError: the actor failed or died; RolloutActorTimeout: every attempt timed out.
         """
         ray = self._h.ray
         # passed as [ref]: the actor hands the same object to its engine actors (a trainer
         # actor's RemoteWeightUpdate: its own reference, never through this process)
         ref = weights_ref(ray, update, self.wire_dtype)
-        if wait:
-            self._h.call("update_weights", [ref], passthrough=(ValueError, KeyError, TypeError))
-            fut: concurrent.futures.Future = concurrent.futures.Future()
-            fut.set_result(None)
-            return fut
-        return self._h.actor.update_weights.remote([ref]).future()
+        if not wait:
+            return self._h.actor.update_weights.remote([ref]).future()
+        attempts = 1 + self.sync_retries
+        for attempt in range(1, attempts + 1):
+            try:
+                self._h.call("update_weights", [ref], update.version, timeout=self.sync_timeout_s,
+                             passthrough=(ValueError, KeyError, TypeError))
+                break
+            except RolloutActorTimeout as e:
+                if attempt == attempts:
+                    raise RolloutActorTimeout(f"weight update to version {update.version}: not applied after "
+                                              f"{attempts} attempt(s) of {self.sync_timeout_s or self._h.timeout_s:.0f} s "
+                                              f"(runtime.sync_timeout_s, runtime.sync_retries): {e}") from None
+                log.warning("weight update to version %d: not applied within %.0f s; asking again (%d of %d)",
+                            update.version, self.sync_timeout_s or self._h.timeout_s, attempt, attempts - 1)
+                if self._h.logger is not None:
+                    self._h.logger.event("weight_sync_retry", version=update.version, attempt=attempt,
+                                         timeout_s=self.sync_timeout_s or self._h.timeout_s)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(None)
+        return fut
 
     def partial_requests(self, *, require_pause: bool = True) -> list:
         """The engine's requests with tokens (copies), for old-log-prob scoring."""
@@ -918,6 +979,8 @@ def _actor_env(faults: bool = True) -> dict[str, str]:
     value = os.environ.get(ACTOR_FAULTS_ENV)
     if faults and value is not None:
         env["CONVEYOR_FAULTS"] = value
+        if STALL_ENV in os.environ:
+            env[STALL_ENV] = os.environ[STALL_ENV]
     return env
 
 
@@ -1149,7 +1212,7 @@ def build_ray_rollout(cfg, trainer, train_samples, *, engine_threads: int, logge
                  engine_pids=info["engine_pids"], trainer=cfg.runtime.trainer,
                  trainer_pid=getattr(trainer, "pid", os.getpid()), trainer_node=getattr(trainer, "node", None),
                  setup_seconds=time.perf_counter() - t0, cluster_cpus=ray.cluster_resources().get("CPU", 0))
-    engine = RayEngine(handle, wire)
+    engine = RayEngine(handle, wire, sync_timeout_s=cfg.runtime.sync_timeout_s, sync_retries=cfg.runtime.sync_retries)
     if reviver is not None:
         reviver.engine = engine
     rollout = RayRollout(handle)
