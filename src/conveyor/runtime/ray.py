@@ -203,6 +203,19 @@ class _LogCollector(logging.Handler):
             out.append(self.records.popleft())
         return out
 
+    @classmethod
+    def for_actor(cls, collect: bool) -> _LogCollector:
+        """A collector; with ``collect`` (in an actor's own process) it takes this process's
+        ``conveyor.*`` records at INFO and up, which are then forwarded to the driver's
+        ``train.log`` rather than printed here too."""
+        logs = cls()
+        if collect:
+            lg = logging.getLogger("conveyor")
+            lg.addHandler(logs)
+            lg.setLevel(logging.INFO)
+            lg.propagate = False
+        return logs
+
 
 def _picklable_error(e: BaseException | None) -> BaseException | None:
     """``e`` itself when it pickles (its type survives the trip), else a RuntimeError with its repr."""
@@ -229,12 +242,7 @@ class RolloutActor:
     """
 
     def __init__(self, collect_logs: bool = False):
-        self._logs = _LogCollector()
-        if collect_logs:
-            lg = logging.getLogger("conveyor")
-            lg.addHandler(self._logs)
-            lg.setLevel(logging.INFO)
-            lg.propagate = False  # forwarded to the driver's train.log, not printed twice
+        self._logs = _LogCollector.for_actor(collect_logs)
         self._skips: list[dict] = []
         self._skips_lock = threading.Lock()
         self.engine = self.controller = self.buffer = self.reward_service = self.tokenizer = self.workflow = None

@@ -103,12 +103,7 @@ class TrainerActor:
     def __init__(self, collect_logs: bool = False):
         from conveyor.runtime.ray import _LogCollector
 
-        self._logs = _LogCollector()
-        if collect_logs:
-            lg = logging.getLogger("conveyor")
-            lg.addHandler(self._logs)
-            lg.setLevel(logging.INFO)
-            lg.propagate = False
+        self._logs = _LogCollector.for_actor(collect_logs)
         self.trainer = None
 
     def setup(self, cfg, *, bf16_choice: bool | None, threads: int) -> dict:
