@@ -292,9 +292,17 @@ def test_a_weight_update_that_never_completes_stops_the_run_after_its_retries(tm
     run = tmp_path / "r"
     cfg = load_config(None, BASE + RAY + NO_EVAL + ["trainer.total_steps=3", "async.eta=1", f"run.dir={run}",
                                                     "runtime.sync_timeout_s=1", "runtime.sync_retries=1"])
-    with pytest.raises(RolloutActorTimeout, match=r"not applied after 2 attempt\(s\)"):
+    with pytest.raises(RolloutActorTimeout, match=r"not applied after 2 attempt\(s\) of 1 s \(runtime.sync_timeout_s"):
         run_training(cfg)
-    assert [e["attempt"] for e in rows_of(run / "events.jsonl") if e["event"] == "weight_sync_retry"] == [1]
+    events = rows_of(run / "events.jsonl")
+    assert [e["attempt"] for e in events if e["event"] == "weight_sync_retry"] == [1]
+    # the update before the failed publish was taken: its step is logged, and the final
+    # checkpoint holds it (nothing computed is lost; a resume continues after it)
+    failed = [e["version"] for e in events if e["event"] == "publish_failed"]
+    ckpt = _latest_checkpoint(run)
+    assert len(failed) == 1 and ckpt.name == f"step_{failed[0]}"
+    assert [r["step"] for r in rows_of(run / "metrics.jsonl")] == list(range(1, failed[0] + 1))
+    assert [r["step"] for r in rows_of(run / "trained.jsonl")] == list(range(1, failed[0] + 1))
 
 
 def test_a_crash_inside_the_actor_stops_the_run_with_its_message_and_a_final_checkpoint(tmp_path, cluster,
@@ -475,6 +483,17 @@ def test_joins_a_cluster_started_with_ray_start(tmp_path):
     rt = [e for e in rows_of(run / "events.jsonl") if e["event"] == "runtime"]
     assert rt and rt[0]["address"] == f"127.0.0.1:{port}"
     assert [r["step"] for r in rows_of(run / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_local_cluster_smaller_than_the_actors_is_refused_up_front(tmp_path, monkeypatch):
+    from conveyor.runtime.ray import connect_ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh `conveyor train` process
+
+    cfg = load_config(None, BASE + ["runtime.name=ray", "runtime.num_cpus=2", "runtime.trainer=actor",
+                                    "runtime.trainer_num_cpus=8"])
+    with pytest.raises(ValueError, match=r"runtime.num_cpus=2 is fewer than the 9 CPUs"):
+        connect_ray(cfg.runtime, min_cpus=9)
 
 
 def test_without_ray_the_error_says_how_to_install_it(tmp_path, monkeypatch):

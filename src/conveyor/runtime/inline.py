@@ -471,6 +471,11 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
                 except NonFiniteLossError as e:  # the step still counts: log it, then stop
                     recorder.nonfinite(trainer.version, e.metrics, e.batch, controller.take_not_trained())
                     raise
+                except BaseException as e:  # publishing failed after the update: the step is logged
+                    done = getattr(e, "trained_step", None)
+                    if done is not None:
+                        recorder.unpublished(trainer.version, done.metrics, done.batch, repr(e))
+                    raise
                 if out is None:
                     break
                 clock.add_busy(out.busy_s)

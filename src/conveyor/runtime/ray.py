@@ -145,6 +145,7 @@ def connect_ray(runtime_cfg, min_cpus: float = 0.0) -> Callable[[], None] | None
 
     Raises:
         ImportError: Ray is missing (:func:`require_ray`).
+        ValueError: a local cluster of ``runtime.num_cpus`` smaller than ``min_cpus``.
         RuntimeError: the cluster cannot be started or joined (Ray's message, with the address).
     """
     ray = require_ray()
@@ -153,6 +154,10 @@ def connect_ray(runtime_cfg, min_cpus: float = 0.0) -> Callable[[], None] | None
             log.warning("Ray is already initialised in this process: using that cluster, not runtime.address=%s",
                         runtime_cfg.address)
         return None
+    if runtime_cfg.address is None and runtime_cfg.num_cpus is not None and runtime_cfg.num_cpus < min_cpus:
+        raise ValueError(f"runtime.num_cpus={runtime_cfg.num_cpus} is fewer than the {min_cpus:g} CPUs the run's "
+                         "actors reserve (runtime.rollout_num_cpus + the engine actors' runtime.engine_num_cpus + "
+                         "runtime.trainer_num_cpus with runtime.trainer=actor): they could never start")
     kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": True}
     try:
         if runtime_cfg.address is None:
@@ -917,16 +922,17 @@ class RayEngine:
                 self._h.call("update_weights", [ref], update.version, timeout=self.sync_timeout_s,
                              passthrough=(ValueError, KeyError, TypeError))
                 break
-            except RolloutActorTimeout as e:
+            except RolloutActorTimeout:
+                limit = self.sync_timeout_s or self._h.timeout_s
                 if attempt == attempts:
                     raise RolloutActorTimeout(f"weight update to version {update.version}: not applied after "
-                                              f"{attempts} attempt(s) of {self.sync_timeout_s or self._h.timeout_s:.0f} s "
-                                              f"(runtime.sync_timeout_s, runtime.sync_retries): {e}") from None
-                log.warning("weight update to version %d: not applied within %.0f s; asking again (%d of %d)",
-                            update.version, self.sync_timeout_s or self._h.timeout_s, attempt, attempts - 1)
+                                              f"{attempts} attempt(s) of {limit:g} s (runtime.sync_timeout_s; "
+                                              f"runtime.sync_retries={self.sync_retries}); stopping rather than "
+                                              "waiting forever") from None
+                log.warning("weight update to version %d: not applied within %g s; asking again (%d of %d)",
+                            update.version, limit, attempt, attempts - 1)
                 if self._h.logger is not None:
-                    self._h.logger.event("weight_sync_retry", version=update.version, attempt=attempt,
-                                         timeout_s=self.sync_timeout_s or self._h.timeout_s)
+                    self._h.logger.event("weight_sync_retry", version=update.version, attempt=attempt, timeout_s=limit)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         fut.set_result(None)
         return fut

@@ -172,6 +172,14 @@ class StepRecorder:
         self.proximal_seconds: list[float] = []
         self.train_seconds: list[float] = []
 
+    def unpublished(self, version: int, metrics: dict[str, Any], batch, error: str) -> None:
+        """A step whose update was taken but whose weights could not be published (the run
+        stops; the final checkpoint holds this version): its metrics row and batch are logged,
+        so every version a checkpoint holds has its rows, and a ``publish_failed`` event."""
+        self.logger.log(version, metrics)
+        self.logger.trained(version, batch, not_trained=[])
+        self.logger.event("publish_failed", version=version, error=error)
+
     def nonfinite(self, version: int, metrics: dict[str, Any], batch, not_trained: list[dict]) -> None:
         """A step whose loss stayed non-finite (it counts: logged before the run stops)."""
         self.logger.log(version, metrics)

@@ -146,6 +146,8 @@ def run_step(trainer, rollout: RolloutPort, publisher, batch_size: int, *,
     Raises:
         NonFiniteLossError: the update gave a non-finite loss too many times in a row; the
             error's ``batch`` attribute holds the batch (the step counts: the caller logs it).
+        Whatever publishing the new weights raises, with a ``trained_step`` attribute: the
+            :class:`StepOutcome` of the update that was taken (the caller logs it).
         Whatever ``health`` raises.
     """
     t_before = time.perf_counter()
@@ -161,7 +163,13 @@ def run_step(trainer, rollout: RolloutPort, publisher, batch_size: int, *,
         e.batch = batch
         raise
     t_sync = time.perf_counter()
-    metrics.update(publisher.publish(trainer))
+    try:
+        metrics.update(publisher.publish(trainer))
+    except BaseException as e:
+        # the update itself happened (the trainer is at the new version, the final checkpoint
+        # will hold it): the caller records the step before the error stops the run
+        e.trained_step = StepOutcome(batch, metrics, before_s + time.perf_counter() - t0)
+        raise
     metrics["time/proximal_s"] += metrics.get("time/partial_sync_s", 0.0)
     rollout.set_version(trainer.version)
     metrics["time/weight_sync_s"] = time.perf_counter() - t_sync
