@@ -12,8 +12,8 @@ runtime uses. Messages only:
 
 - ``train_step`` / ``critic_warmup_step``: the batch (:class:`~conveyor.types.Trajectory` list)
   in, the step's metrics out; the trainer's counters (version, warm-up) come back with every
-  answer (and with an error: a non-finite step still counts), so reading them is not a call
-  (each call is followed by one short call that forwards the actor's log records);
+  answer (and with an error: a non-finite step still counts), so reading them is not a call;
+  so do the actor's log records (forwarded to the driver's ``train.log``);
 - ``weight_update``: the actor ``ray.put``\\ s the :class:`~conveyor.sync.WeightUpdate` once (in
   the engines' dtype when they run bf16: :attr:`RayTrainer.wire_dtype`) and returns its
   reference as a :class:`RemoteWeightUpdate`; the rollout actor (and its engine actors) read
@@ -59,7 +59,8 @@ TRAINER_ACTOR_FAULTS_ENV = "CONVEYOR_TRAINER_ACTOR_FAULTS"
 """Environment variable of the driver whose value becomes the trainer actor's ``CONVEYOR_FAULTS``."""
 
 _CALLS = frozenset({"train_step", "critic_warmup_step", "take_events", "state_dict", "load_state_dict",
-                    "scoring_spec", "scale_lr", "inference_policy", "proximal_extra_bytes", "save_adapter_files"})
+                    "scoring_spec", "scale_lr", "inference_policy", "proximal_extra_bytes", "save_adapter_files",
+                    "weight_update"})
 """The trainer methods the driver may call through :meth:`TrainerActor.call`."""
 
 
@@ -96,8 +97,8 @@ class TrainerActor:
     """The run's :class:`~conveyor.trainer.trainer.Trainer` in a Ray actor (module docstring).
 
     Args:
-        collect_logs: Keep this process's ``conveyor.*`` log records for :meth:`drain` (true in
-            the actor's process: they go to the driver's ``train.log``).
+        collect_logs: Keep this process's ``conveyor.*`` log records to return them with every
+            :meth:`call` (true in the actor's process: they go to the driver's ``train.log``).
     """
 
     def __init__(self, collect_logs: bool = False):
@@ -143,15 +144,18 @@ class TrainerActor:
             "lora": None if t.lora is None else {"note": t.lora.note, "trainable": t.lora.trainable},
         }
 
-    def call(self, method: str, *args, **kwargs) -> tuple[Any, dict]:
-        """``trainer.<method>(*args, **kwargs)`` for the methods in ``_CALLS``.
+    def call(self, method: str, *args, **kwargs) -> tuple[Any, dict, list[dict]]:
+        """``trainer.<method>(*args, **kwargs)`` for the methods in ``_CALLS``
+        (``weight_update``: :meth:`weight_update`).
 
         Returns:
-            ``(result, info())``.
+            ``(result, info(), this process's log records since the last call)``.
 
         Raises:
             ValueError: a method not in the list. Whatever the trainer raises (e.g.
-                :class:`~conveyor.trainer.trainer.NonFiniteLossError`).
+                :class:`~conveyor.trainer.trainer.NonFiniteLossError`), with the counters as the
+                failure left them (``trainer_info``: a non-finite step still counts, the version
+                moved) and the log records (``trainer_logs``) attached.
         """
         if method not in _CALLS:
             raise ValueError(f"TrainerActor.call: {method!r} is not one of {sorted(_CALLS)}")
@@ -160,33 +164,30 @@ class TrainerActor:
                 out = self.trainer.proximal.extra_bytes()
             elif method == "save_adapter_files":
                 out = self._adapter_files()
+            elif method == "weight_update":
+                out = self.weight_update(*args, **kwargs)
             else:
                 out = getattr(self.trainer, method)(*args, **kwargs)
         except Exception as e:
-            # the counters as the failure left them (a non-finite step still counts: the
-            # version moved), so the driver logs and checkpoints the right step
             e.trainer_info = self.info()
+            e.trainer_logs = self._logs.take()
             raise
-        return out, self.info()
+        return out, self.info(), self._logs.take()
 
     def _adapter_files(self) -> dict[str, bytes]:
         with tempfile.TemporaryDirectory() as d:
             self.trainer.lora.save_adapter(d)
             return {str(p.relative_to(d)): p.read_bytes() for p in Path(d).rglob("*") if p.is_file()}
 
-    def weight_update(self, dtype=None) -> list:
-        """``[RemoteWeightUpdate]`` of the current parameters (``ray.put`` once, here; cast to
-        ``dtype`` first when given: the engines' wire dtype)."""
+    def weight_update(self, dtype=None) -> RemoteWeightUpdate:
+        """The current parameters as a :class:`RemoteWeightUpdate` (``ray.put`` once, here; cast
+        to ``dtype`` first when given: the engines' wire dtype)."""
         import ray
 
         upd = self.trainer.weight_update()
         if dtype is not None:
             upd = upd.cast(dtype)
-        return [RemoteWeightUpdate(upd.version, ray.put(upd), upd.num_bytes)]
-
-    def drain(self) -> list[dict]:
-        """This process's log records since the last call."""
-        return self._logs.take()
+        return RemoteWeightUpdate(upd.version, ray.put(upd), upd.num_bytes)
 
 
 class RayTrainer:
@@ -247,10 +248,10 @@ class RayTrainer:
         if self.dead is not None:
             raise TrainerActorError(f"{self.dead}; {method}() was not called")
         try:
-            out, info = ray.get(self.actor.call.remote(method, *args, **kwargs))
+            out, info, records = ray.get(self.actor.call.remote(method, *args, **kwargs))
         except ray.exceptions.RayTaskError as e:
-            self.forward()  # (the actor's log of the failure first)
             cause = getattr(e, "cause", None)
+            self._emit(getattr(cause, "trainer_logs", []))  # (the actor's log of the failure first)
             info = getattr(cause, "trainer_info", None)
             if info is not None:
                 with self._lock:
@@ -264,20 +265,14 @@ class RayTrainer:
             self.dead = (f"the trainer actor died during {method}(): {' '.join(first[:3]) if first else type(e).__name__}"
                          " (the run stops; its last checkpoint is intact: conveyor train --resume RUN_DIR)")
             raise TrainerActorError(self.dead) from None
-        # (not after a Ctrl-C: a drain would wait behind the call still running in the actor)
-        self.forward()
+        self._emit(records)
         with self._lock:
             self._info = info
         return out
 
-    def forward(self) -> None:
-        """Re-emit the actor's log records in the driver (``train.log``); best effort."""
-        if self.dead is not None:
-            return
-        try:
-            records = self._ray.get(self.actor.drain.remote(), timeout=30.0)
-        except Exception:
-            return
+    @staticmethod
+    def _emit(records: list[dict]) -> None:
+        """Re-emit the actor's log records in the driver (``train.log``)."""
         for r in records:
             r = dict(r)
             r["msg"] = "[trainer actor] " + r["msg"]
@@ -301,14 +296,7 @@ class RayTrainer:
 
     def weight_update(self) -> RemoteWeightUpdate:
         """The current parameters, put into the object store by the actor (module docstring)."""
-        if self.dead is not None:
-            raise TrainerActorError(f"{self.dead}; weight_update() was not called")
-        try:
-            (upd,) = self._ray.get(self.actor.weight_update.remote(self.wire_dtype))
-        except self._ray.exceptions.RayError as e:
-            raise TrainerActorError(f"trainer actor: weight_update() failed: {type(e).__name__}: "
-                                    f"{str(e).splitlines()[0] if str(e) else ''}") from None
-        return upd
+        return self._remote("weight_update", self.wire_dtype)
 
     def state_dict(self) -> dict:
         """The trainer's checkpoint state (CPU tensors), fetched from the actor."""

@@ -566,8 +566,8 @@ class EngineRouter:
     # ------------------------------------------------------------------ faults
     def _on_death(self, slot: int, gen: int, why: str) -> None:
         """The engine of ``slot`` (generation ``gen``) died: out of rotation now; its
-        replacement started in the background, or the slot marked dead at once when no
-        replacement is allowed."""
+        replacement started in a thread of its own, one per death (:meth:`stop` waits for it),
+        or the slot marked dead at once when no replacement is allowed."""
         with self._lock:
             if self._gen[slot] != gen:
                 return  # already replaced (or given up) by another caller
@@ -580,24 +580,13 @@ class EngineRouter:
                 # caller's cleanup; start() replaces it
                 self._pending[slot] = (gen, why)
                 return
-            can_restart = self._restart is not None and self.restarts < self.max_restarts
-        if can_restart:
-            self._replace_later(slot, gen, why)
-        else:
-            self._replace(slot, gen, why)  # marks it dead; quick
-
-    def _replace_later(self, slot: int, gen: int, why: str) -> None:
-        """:meth:`_replace` in a thread of its own, one per death (:meth:`stop` waits for it)."""
-        with self._lock:
-            if self._gen[slot] != gen:
+            if self._restart is not None and self.restarts < self.max_restarts:
+                t = threading.Thread(target=self._replace, args=(slot, gen, why), name=f"engine-{slot}-restart",
+                                     daemon=True)
+                self._replacing[slot] = (gen, t)
+                t.start()  # (under the lock: alive before anyone else can look)
                 return
-            running = self._replacing.get(slot)
-            if running is not None and running[0] == gen and running[1].is_alive():
-                return  # this death's replacement is already under way
-            t = threading.Thread(target=self._replace, args=(slot, gen, why), name=f"engine-{slot}-restart",
-                                 daemon=True)
-            self._replacing[slot] = (gen, t)
-            t.start()  # (under the lock: alive before anyone else can look)
+        self._replace(slot, gen, why)  # marks it dead; quick
 
     def wait_for_replacements(self, timeout_s: float | None = None) -> bool:
         """Wait until no replacement is being started.
