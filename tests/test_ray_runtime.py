@@ -272,12 +272,13 @@ def test_a_weight_update_that_hangs_is_reported_and_retried_never_applied_twice(
     monkeypatch.setenv("CONVEYOR_FAULTS_STALL_S", "4")
     run = tmp_path / "r"
     cfg = load_config(None, BASE + RAY + NO_EVAL + ["trainer.total_steps=3", "async.eta=1", f"run.dir={run}",
-                                                    "runtime.sync_timeout_s=1.5", "runtime.sync_retries=3"])
+                                                    "runtime.sync_timeout_s=1.5", "runtime.sync_retries=8"])
     res = run_training(cfg)
     assert res.steps == 3
     events = rows_of(run / "events.jsonl")
     retries = [e for e in events if e["event"] == "weight_sync_retry"]
-    assert retries and all(e["timeout_s"] == 1.5 for e in retries) and len(retries) <= 3
+    # (8 retries: 13.5 s of attempts for a 4-s stall, room for a loaded machine)
+    assert retries and all(e["timeout_s"] == 1.5 for e in retries) and len(retries) <= 8
     assert "error" not in [e["event"] for e in events]
     stats = json.loads((run / "engine_stats.json").read_text())
     assert stats["num_weight_updates"] == 3 and stats["version"] == 3  # each version applied once
