@@ -70,17 +70,41 @@ def test_staleness_never_exceeds_eta_and_more_eta_is_not_slower():
 
 
 def test_batching_and_prefill_cost():
-    # two requests decoded together: 10 steps of (1 + 2 * 0.5) s, plus a prefill of 2 x 5 tokens at 0.1 s
+    # two requests decoded together: 10 steps of (1 + 2 * 0.5) s, plus a prefill of 2 x 5 tokens
+    # at 0.1 s (each request its own: shared_prefill off), or of 5 tokens once (the group's prompt,
+    # as conveyor's engine deduplicates identical prompts admitted together)
     cfg = SimConfig(
         eta=0, steps=1, batch_size=1, group_size=2,
         rollout=RolloutSim(max_batch_size=4, decode_base_s=1.0, decode_per_seq_s=0.5, prefill_s_per_token=0.1,
                            prompt_tokens=Dist(kind="constant", value=5, integer=True),
-                           response_tokens=Dist(kind="constant", value=10, integer=True)),
+                           response_tokens=Dist(kind="constant", value=10, integer=True), shared_prefill=False),
         trainer=TrainerSim(step_base_s=1.0, s_per_token=0.01),
     )
     r = simulate(cfg)
     # rollout 1 + 20 = 21 s; update 1 + 0.01 * (2 x 15 tokens) = 1.3 s
     assert r.wall_seconds == pytest.approx(21.0 + 1.3)
+    cfg.rollout.shared_prefill = True
+    assert simulate(cfg).wall_seconds == pytest.approx(20.5 + 1.3)
+
+
+def test_a_shared_prompt_is_cached_until_the_next_weight_update():
+    """One request at a time (max_batch_size 1), groups of 2, prompt 5 tokens at 0.1 s a token,
+    decode steps of 1.5 s, 10 tokens per response, eta 1. Episode A: A1 prefills 5 tokens
+    (0.5 s) and decodes (15 s) -> 15.5; A2 finds the prompt cached: 1 token (0.1 s) + 15 s ->
+    30.6; update 1 (1.3 s) runs 30.6 -> 31.9. Episode B: B1 prefills 5 tokens (-> 31.1) and
+    decodes 8 tokens (-> 43.1), crossing the update: re-encoded (5 + 8 tokens, 1.3 s -> 44.4),
+    2 more tokens (-> 47.4); B2's prompt was cached with version 0's weights, emptied by the
+    update: 5 tokens again (-> 47.9) + 15 s -> 62.9; update 2 -> 64.2."""
+    cfg = SimConfig(
+        eta=1, steps=2, batch_size=1, group_size=2,
+        rollout=RolloutSim(max_batch_size=1, decode_base_s=1.0, decode_per_seq_s=0.5, prefill_s_per_token=0.1,
+                           prompt_tokens=Dist(kind="constant", value=5, integer=True),
+                           response_tokens=Dist(kind="constant", value=10, integer=True)),
+        trainer=TrainerSim(step_base_s=1.0, s_per_token=0.01),
+    )
+    r = simulate(cfg)
+    assert r.wall_seconds == pytest.approx(64.2)
+    assert r.step_seconds == pytest.approx([30.6 + 1.3, 64.2 - 31.9])
 
 
 def test_env_latency_and_weight_sync():

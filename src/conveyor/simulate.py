@@ -6,7 +6,12 @@ Built on ``simpy``. The model follows the runtime of :mod:`conveyor.train` (MISS
 - **Rollout workers** (one inference engine each) run continuous batching: between decode steps
   waiting requests join the running batch (up to ``max_batch_size``), paying a prefill of
   ``prefill_s_per_token`` per prompt token; one decode step of a batch of ``b`` sequences takes
-  ``decode_base_s + decode_per_seq_s * b`` seconds and gives every sequence one token.
+  ``decode_base_s + decode_per_seq_s * b`` seconds and gives every sequence one token. With
+  ``shared_prefill`` (default, as conveyor's engine: identical prompts admitted together are
+  prefilled once, a later one finds them in the prefix cache) the requests of a group sharing a
+  context pay its prefill once per weight version (those admitted with it nothing more, a later
+  one a token); the cache is emptied by every weight update, and a re-encode after an update is
+  per request.
 - **Episodes** (groups of ``group_size`` trajectories sharing a prompt) wait ``env_latency_s``
   (a simulated environment / tool call) after each of their ``turns`` generation turns.
 - **Controller**: AReaL's capacity rule (MISSION.md section 1):
@@ -117,13 +122,17 @@ class Dist(_Strict):
 
 
 class RolloutSim(_Strict):
-    """Rollout side: ``workers`` engines with continuous batching (see the module docstring)."""
+    """Rollout side: ``workers`` engines with continuous batching (see the module docstring).
+    ``shared_prefill``: a group's requests with the same context are prefilled once per weight
+    version on a worker (identical-prompt deduplication and the prefix cache); false: each
+    request pays its own prefill."""
 
     workers: int = Field(1, ge=1)
     max_batch_size: int = Field(32, ge=1)
     decode_base_s: float = Field(0.05, ge=0)
     decode_per_seq_s: float = Field(0.002, ge=0)
     prefill_s_per_token: float = Field(0.0, ge=0)
+    shared_prefill: bool = True
     prompt_tokens: Dist = Field(default_factory=lambda: Dist(kind="constant", value=64, integer=True))
     response_tokens: Dist = Field(default_factory=lambda: Dist(kind="constant", value=64, integer=True))
     env_latency_s: Dist = Field(default_factory=lambda: Dist(kind="constant", value=0.0))
@@ -239,6 +248,7 @@ class _Req:
     generated: int = 0
     first_version: int | None = None
     needs_reencode: bool = False
+    prefix: tuple | None = None  # (episode, context tokens): the group-mates sharing this context
 
 
 @dataclass
@@ -303,6 +313,8 @@ class _Worker:
         self.queue: list[_Req] = []
         self.wake = env.event()
         self.busy = _BusyClock(env)
+        self.cached: set[tuple] = set()  # contexts prefilled with the current weights (prefix cache)
+        self.cached_version = 0
         self.proc = env.process(self.run())
 
     def load(self) -> int:
@@ -324,9 +336,21 @@ class _Worker:
                 if r.needs_reencode:
                     prefill_tokens += r.prompt + r.generated
                     r.needs_reencode = False
+            if self.cached_version != self.sim.version:  # new weights: the prefix cache is emptied
+                self.cached.clear()
+                self.cached_version = self.sim.version
+            now: set[tuple] = set()  # contexts prefilled in this admission (deduplicated)
             while self.queue and len(self.active) < cfg.max_batch_size:
                 r = self.queue.pop(0)
-                prefill_tokens += r.prompt
+                if cfg.shared_prefill and r.prefix is not None and r.prefix in now:
+                    pass  # an identical prompt admitted together: prefilled once
+                elif cfg.shared_prefill and r.prefix is not None and r.prefix in self.cached:
+                    prefill_tokens += 1  # a group-mate's context is cached: its last token runs
+                else:
+                    now.add(r.prefix)
+                    prefill_tokens += r.prompt
+                    if cfg.shared_prefill and r.prefix is not None:
+                        self.cached.add(r.prefix)
                 self.active.append(r)
             if not self.active:
                 self.wake = env.event()
@@ -369,6 +393,7 @@ class _Sim:
         self.version = 0
         self.running = 0
         self.accepted = 0
+        self.episodes = 0
         self.paused = None
         self.buffer: list[_Traj] = []
         self.buffer_event = self.env.event()
@@ -406,13 +431,17 @@ class _Sim:
         cfg = self.cfg.rollout
         G = self.cfg.group_size
         prompt = int(cfg.prompt_tokens.draw(self.rng))
+        self.episodes += 1
+        eid = self.episodes
         trajs = []
         for _g in range(G):
             trajs.append({"context": prompt, "tokens": prompt, "oldest": None})
 
         def generate(t):
             resp = int(cfg.response_tokens.draw(self.rng))
-            req = _Req(prompt=t["context"], remaining=resp, done=self.env.event())
+            # the first turn's context is the group's shared prompt; later turns' contexts differ
+            req = _Req(prompt=t["context"], remaining=resp, done=self.env.event(),
+                       prefix=(eid, t["context"]) if t["context"] == prompt else None)
             min(self.workers, key=lambda w: w.load()).submit(req)
             yield req.done
             if t["oldest"] is None:
@@ -547,7 +576,9 @@ def calibrate(run_dir: str | Path) -> SimConfig:
     Reads ``config.json`` (eta, batch, group, concurrency, steps, ``rollout.num_engines`` as the
     number of engine workers), ``engine_stats.json`` (decode
     forward seconds per batch size, fitted to ``base + per_seq * b``, plus the sampling seconds
-    per generated token added to ``per_seq``; prefill seconds per token),
+    per generated token added to ``per_seq``; prefill seconds per token the model ran, after
+    identical-prompt deduplication and prefix-cache hits, matching the simulator's
+    ``shared_prefill`` charge),
     ``trained.jsonl`` (prompt / response lengths of every trained trajectory, and its episode's
     environment wait plus reward-scoring latency as ``env_latency_s``: empirical distributions)
     and ``metrics.jsonl`` (trainer seconds vs tokens per update, fitted to ``base + s_per_token *
