@@ -19,6 +19,13 @@ def trainer_kwargs(case: dict) -> tuple:
     return TrainerConfig(**tkw), LossConfig(**case.get("loss", {}))
 
 
+def critic_kwargs(case: dict) -> dict:
+    """``critic_cfg`` for the Trainer where the case trains a critic (``case["critic"]``)."""
+    from conveyor.config import CriticConfig
+
+    return {"critic_cfg": CriticConfig(**case["critic"])} if "critic" in case else {}
+
+
 def batches(version_of, case: dict | None = None) -> list:
     """The fixed batches of the steps (8 trajectories, groups of 4 sharing their prompt); the
     trajectories listed in ``case["filtered"]`` have no loss token (as reward.overlong=filter
@@ -33,11 +40,15 @@ def batches(version_of, case: dict | None = None) -> list:
 
 
 def snapshot(trainer, model) -> dict:
-    """Full gradients and parameters (collective under FSDP2), keyed by name."""
+    """Full gradients and parameters (collective under FSDP2), keyed by name; the critic's
+    (its last update's gradients) under ``critic.``."""
     from conveyor.trainer.distributed import full_tensor
 
-    grads = {n: full_tensor(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
-    params = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
+    named = list(model.named_parameters())
+    if trainer.critic is not None:
+        named += [(f"critic.{n}", p) for n, p in trainer.critic.named_parameters()]
+    grads = {n: full_tensor(p.grad).clone() for n, p in named if p.grad is not None}
+    params = {n: full_tensor(p.detach()).clone() for n, p in named}
     return {"grads": grads, "params": params}
 
 
@@ -67,9 +78,12 @@ def _run_case(rank: int, dp, out: Path, case: dict) -> None:
 
     model = load_model("tiny", seed=0).model
     tc, lc = trainer_kwargs(case)
-    tr = Trainer(model, tc, lc, temperature=0.9, proximal_cfg=ProximalConfig(), data_parallel=dp)
+    tr = Trainer(model, tc, lc, temperature=0.9, proximal_cfg=ProximalConfig(), data_parallel=dp, **critic_kwargs(case))
     seen = []
     ckpt = policy = None
+    warmup = None
+    if case.get("critic", {}).get("warmup_steps"):  # a critic-only step first (its batch: step 1's)
+        warmup = {"metrics": tr.critic_warmup_step(batches(lambda s: 0, case)[1]), **snapshot(tr, model)}
     for step, batch in enumerate(batches(lambda s: s, case)):
         m = tr.train_step(batch)
         snap = snapshot(tr, model)
@@ -80,7 +94,8 @@ def _run_case(rank: int, dp, out: Path, case: dict) -> None:
             policy = tr.inference_policy()  # e.g. the engine's model: must not change with later gathers
     if rank == 0:
         kept = {n: t.detach().clone() for n, t in policy.named_parameters()}
-        torch.save({"steps": seen, "checkpoint": ckpt, "version": tr.version, "policy_after_step_1": kept}, out)
+        torch.save({"steps": seen, "checkpoint": ckpt, "version": tr.version, "policy_after_step_1": kept,
+                    "warmup": warmup}, out)
 
 
 def run_single(case: dict, model0) -> dict:
@@ -90,9 +105,12 @@ def run_single(case: dict, model0) -> dict:
 
     model = copy.deepcopy(model0)
     tc, lc = trainer_kwargs(case)
-    tr = Trainer(model, tc, lc, temperature=0.9, proximal_cfg=ProximalConfig())
+    tr = Trainer(model, tc, lc, temperature=0.9, proximal_cfg=ProximalConfig(), **critic_kwargs(case))
+    warmup = None
+    if case.get("critic", {}).get("warmup_steps"):
+        warmup = {"metrics": tr.critic_warmup_step(batches(lambda s: 0, case)[1]), **snapshot(tr, model)}
     seen = []
     for batch in batches(lambda s: s, case):
         m = tr.train_step(batch)
         seen.append({"metrics": m, **snapshot(tr, model)})
-    return {"steps": seen, "version": tr.version}
+    return {"steps": seen, "version": tr.version, "warmup": warmup}

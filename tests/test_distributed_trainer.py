@@ -1,6 +1,8 @@
 """FSDP2 data parallelism (issue 15, section 1): two CPU processes on the gloo backend give the
 single-process trainer's update on the same batch (loss, every metric, full gradients and
-parameters), publish the full weights, and write a checkpoint that one process resumes."""
+parameters; the critic's too: SAO's recipe with warm-up, K = 2 updates, frozen attention, value
+clipping and whitened GAE advantages), publish the full weights, and write a checkpoint that one
+process resumes."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import copy
 import pytest
 import torch
 import torch.multiprocessing as mp
-from distributed_helpers import batches, run_rank, run_single, trainer_kwargs
+from distributed_helpers import batches, critic_kwargs, run_rank, run_single, trainer_kwargs
 
 from conveyor.config import ConfigError, LoraConfig, LossConfig, ProximalConfig, TrainerConfig
 from conveyor.trainer.distributed import DataParallel, assign_micro_batches, free_port
@@ -23,8 +25,15 @@ CASES = {
     # five micro-batches, two of them without a loss token (a group filtered as overlong): 3 + 2
     # real passes plus one padding pass; the single process skips the empty ones
     "filtered_group": {"trainer": {"micro_batch_tokens": 16}, "filtered": [0, 1, 2, 3]},
+    # a critic (a copy of the policy, sharded alike): one warm-up step, then K = 2 critic updates
+    # per policy update with frozen attention, value clipping and whitened GAE advantages; three
+    # micro-batches (a padding pass for the critic too), one group filtered (a micro-batch with no
+    # counted token on one process)
+    "sao_critic": {"trainer": {"micro_batch_tokens": 24}, "loss": {"advantage": "gae"}, "filtered": [4, 5, 6, 7],
+                   "critic": {"warmup_steps": 1, "updates_per_step": 2, "freeze_attention": True, "value_clip": 0.5,
+                              "whiten_advantages": True, "lr": 1e-3}},
 }
-MICRO_BATCHES = {"grpo_token_mean": 3, "seq_mean_tis": 2, "filtered_group": 5}
+MICRO_BATCHES = {"grpo_token_mean": 3, "seq_mean_tis": 2, "filtered_group": 5, "sao_critic": 3}
 SKIP = ("time/", "train/tokens_per_s", "proximal/extra_bytes")
 
 
@@ -71,7 +80,65 @@ def test_two_processes_give_the_single_process_update(runs):
             assert _close_params(d["params"][n], s["params"][n]), (name, step, n)
         # the weights rank 0 publishes are the full, updated parameters (the same tensors gathered)
         for n, t in d["params"].items():
-            assert torch.equal(d["weights"][n], t), (name, step, n)
+            if not n.startswith("critic."):  # the critic is never published
+                assert torch.equal(d["weights"][n], t), (name, step, n)
+
+
+def test_the_critic_warm_up_and_updates_match_the_single_process_ones(runs):
+    """The SAO case: the warm-up step (critic only) and every step's critic update give the
+    single process's critic metrics, gradients (its last update's) and parameters; frozen
+    attention stays bit-identical to the initial weights while the rest of the critic moves."""
+    name, case, dp, single = runs
+    if "critic" not in case:
+        pytest.skip("no critic in this case")
+    steps = [("warmup", dp["warmup"], single["warmup"])] + [
+        (i, d, s) for i, (d, s) in enumerate(zip(dp["steps"], single["steps"], strict=True))]
+    for step, d, s in steps:
+        assert d["metrics"]["critic/updates"] == s["metrics"]["critic/updates"] == 2.0, step
+        for k in [k for k in s["metrics"] if k.startswith("critic/")]:
+            assert d["metrics"][k] == pytest.approx(s["metrics"][k], rel=1e-4, abs=1e-6), (step, k)
+        crit = [n for n in s["grads"] if n.startswith("critic.")]
+        assert crit and set(crit) == {n for n in d["grads"] if n.startswith("critic.")}
+        for n in crit:
+            assert _close(d["grads"][n], s["grads"][n]), (step, n, (d["grads"][n] - s["grads"][n]).abs().max())
+        for n in [n for n in s["params"] if n.startswith("critic.")]:
+            assert _close_params(d["params"][n], s["params"][n]), (step, n)
+    assert dp["warmup"]["metrics"]["critic/grad_norm_attention"] == 0.0
+    assert dp["warmup"]["metrics"]["critic/grad_norm_mlp"] > 0
+    first, last = dp["warmup"]["params"], dp["steps"][-1]["params"]
+    attn = [n for n in first if n.startswith("critic.") and ".self_attn." in n]
+    mlp = [n for n in first if n.startswith("critic.") and ".mlp." in n]
+    assert attn and mlp
+    assert all(torch.equal(first[n], last[n]) for n in attn)
+    assert all(not torch.equal(first[n], last[n]) for n in mlp)
+
+
+def test_a_padding_copy_of_a_micro_batch_leaves_its_trajectories_advantages_alone(tiny):
+    """A process may run a zero-weight copy of one of its own micro-batches (the smallest):
+    the copy has no action token, and must not overwrite the real micro-batch's per-trajectory
+    advantages with 0 (``train/advantage_abs_mean``). Checked in one process on a hand-made
+    batch: micro-batch 0 and its padding copy."""
+    import dataclasses
+
+    from test_trainer import make_trajs
+
+    from conveyor.config import CriticConfig
+    from conveyor.trainer.distributed import padding_batch
+
+    tr = Trainer(copy.deepcopy(tiny.model), TrainerConfig(bf16=False, micro_batch_tokens=24), LossConfig(advantage="gae"),
+                 critic_cfg=CriticConfig())
+    trajs = make_trajs(n=4, group=4, shared_prompts=True)
+    for i, t in enumerate(trajs):
+        t.reward = float(i % 2)
+    batch = tr.pack(trajs)
+    real = batch.micro_batches[0]
+    batch = dataclasses.replace(batch, micro_batches=batch.micro_batches + [padding_batch(real)],
+                                token_weights=batch.token_weights + [torch.zeros_like(batch.token_weights[0])],
+                                denominators=batch.denominators + [0.0],
+                                padded=[False] * len(batch.micro_batches) + [True])
+    scores = tr.score(batch)
+    tr.assign_advantages(batch, scores)
+    assert all(float(batch.sequence_advantages[i]) != 0.0 for i in real.indices)
 
 
 def test_an_inference_policy_is_a_copy_that_later_gathers_leave_alone(runs):
@@ -87,7 +154,7 @@ def test_the_update_moved_the_parameters(runs, tiny):
     """Guards the comparison above against a trainer that did nothing on both sides."""
     _, _, dp, _ = runs
     p0 = dict(tiny.model.named_parameters())
-    moved = [n for n, t in dp["steps"][0]["params"].items() if not torch.equal(t, p0[n].detach())]
+    moved = [n for n, t in dp["steps"][0]["params"].items() if n in p0 and not torch.equal(t, p0[n].detach())]
     assert len(moved) > len(p0) // 2
 
 
@@ -97,12 +164,17 @@ def test_a_data_parallel_checkpoint_resumes_in_one_process(runs, tiny):
     assert ckpt["optimizer_format"] == "by_name" and ckpt["version"] == 1
     model = copy.deepcopy(tiny.model)
     tc, lc = trainer_kwargs(case)
-    tr = Trainer(model, tc, lc, temperature=0.9, proximal_cfg=ProximalConfig())
+    tr = Trainer(model, tc, lc, temperature=0.9, proximal_cfg=ProximalConfig(), **critic_kwargs(case))
     tr.load_state_dict(ckpt)
     m = tr.train_step(batches(lambda s: s, case)[1])
     assert m["loss/loss"] == pytest.approx(single["steps"][1]["metrics"]["loss/loss"], rel=1e-4, abs=1e-6)
     for n, p in model.named_parameters():
         assert _close_params(p.detach(), single["steps"][1]["params"][n]), (name, n)
+    if "critic" in case:  # the critic, its optimizer and its warm-up count came back too
+        assert ckpt["critic"]["optimizer_format"] == "by_name" and tr.critic_warmup_done == 1
+        assert m["critic/value_loss"] == pytest.approx(single["steps"][1]["metrics"]["critic/value_loss"], rel=1e-4)
+        for n, p in tr.critic.named_parameters():
+            assert _close_params(p.detach(), single["steps"][1]["params"][f"critic.{n}"]), (name, n)
 
 
 def test_a_single_process_optimizer_state_converts_to_the_by_name_format(tiny):
@@ -126,17 +198,20 @@ def test_a_single_process_optimizer_state_converts_to_the_by_name_format(tiny):
         optimizer_state_by_name(tr.optimizer.state_dict(), names[:3])
 
 
-@pytest.mark.parametrize("loss_kw, trainer_kw, proximal, lora, needle", [
-    ({"advantage": "gae"}, {}, "recompute", False, "loss.advantage=gae"),
-    ({}, {"minibatches": 2}, "recompute", False, "trainer.minibatches=2"),
-    ({}, {}, "snapshot", False, "proximal.method=snapshot"),
-    ({}, {}, "recompute", True, "lora.enabled=true"),
+@pytest.mark.parametrize("loss_kw, trainer_kw, proximal, lora, critic, needle", [
+    ({"advantage": "gae"}, {}, "recompute", False, {"num_critics": 2}, "critic.num_critics=2"),
+    ({"advantage": "gae"}, {}, "recompute", False, {"backbone": "head"}, "critic.backbone=head"),
+    ({}, {"minibatches": 2}, "recompute", False, {}, "trainer.minibatches=2"),
+    ({}, {}, "snapshot", False, {}, "proximal.method=snapshot"),
+    ({}, {}, "recompute", True, {}, "lora.enabled=true"),
 ])
-def test_unsupported_options_are_refused_naming_the_key(tiny, loss_kw, trainer_kw, proximal, lora, needle):
+def test_unsupported_options_are_refused_naming_the_key(tiny, loss_kw, trainer_kw, proximal, lora, critic, needle):
+    from conveyor.config import CriticConfig
+
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         Trainer(copy.deepcopy(tiny.model), TrainerConfig(bf16=False, **trainer_kw), LossConfig(**loss_kw),
                 proximal_cfg=ProximalConfig(method=proximal), lora_cfg=LoraConfig(enabled=lora),
-                data_parallel=DataParallel(0, 2))
+                critic_cfg=CriticConfig(**critic), data_parallel=DataParallel(0, 2))
 
 
 def test_micro_batches_are_assigned_largest_first_to_the_least_loaded_process():

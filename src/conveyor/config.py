@@ -646,7 +646,7 @@ class TrainConfig(_Strict):
             if self.runtime.name != "inline":
                 raise ValueError(f"trainer.world_size={self.trainer.world_size} needs runtime.name=inline (the Ray "
                                  "runtime runs one trainer process)")
-            bad = data_parallel_unsupported(self.trainer, self.loss, self.proximal, self.lora)
+            bad = data_parallel_unsupported(self.trainer, self.loss, self.proximal, self.lora, self.critic)
             if bad:
                 raise ValueError(f"trainer.world_size={self.trainer.world_size} (FSDP2 data parallelism) does not "
                                  "support: " + "; ".join(bad))
@@ -746,13 +746,18 @@ class TrainConfig(_Strict):
 
 
 def data_parallel_unsupported(trainer: TrainerConfig, loss: LossConfig, proximal: ProximalConfig,
-                              lora: LoraConfig | None) -> list[str]:
+                              lora: LoraConfig | None, critic: CriticConfig | None = None) -> list[str]:
     """What ``trainer.world_size`` > 1 (FSDP2 data parallelism) does not support yet, each naming
-    its key (empty: supported): a critic, LoRA, several minibatches, proximal strategies that
+    its key (empty: supported): an ensemble of critics or a head critic (one critic with its own
+    backbone is sharded like the policy), LoRA, several minibatches, proximal strategies that
     keep model copies."""
     bad = []
     if loss.advantage == "gae":
-        bad.append("loss.advantage=gae (the critic is not sharded yet)")
+        cc = critic or CriticConfig()
+        if cc.num_critics > 1:
+            bad.append(f"critic.num_critics={cc.num_critics} (the ensemble's uncertainty masks need the whole batch)")
+        if cc.backbone.startswith("head"):
+            bad.append(f"critic.backbone={cc.backbone} (it reads the sharded policy's hidden states)")
     if lora is not None and lora.enabled:
         bad.append("lora.enabled=true")
     if trainer.minibatches != 1:

@@ -299,14 +299,30 @@ def grad_norm_by_kind(model: nn.Module) -> dict[str, float]:
     Returns:
         ``{"attention": float, "mlp": float, "other": float}`` (L2 norms, >= 0).
 
+    Sharded parameters (FSDP2 ``DTensor`` gradients): the norms over every process's shards,
+    a collective every process must call.
+
     Raises:
         ValueError: as :func:`attention_modules`.
     """
-    out = {}
+    sums, sharded = {}, False
     for kind, params in _params_by_kind(model).items():
-        sq = [p.grad.detach().float().pow(2).sum() for p in params if p.grad is not None]
-        out[kind] = math.sqrt(float(torch.stack(sq).sum())) if sq else 0.0
-    return out
+        sq = []
+        for p in params:
+            if p.grad is None:
+                continue
+            g = p.grad.detach()
+            if hasattr(g, "to_local"):  # an FSDP2 shard (DTensor): this process's part
+                g, sharded = g.to_local(), True
+            sq.append(g.float().pow(2).sum())
+        sums[kind] = torch.stack(sq).sum() if sq else torch.zeros(())
+    if sharded:  # data parallelism: every process's shards (collective)
+        import torch.distributed as dist
+
+        t = torch.stack([sums[k] for k in sums])
+        dist.all_reduce(t)
+        sums = dict(zip(sums, t, strict=True))
+    return {kind: math.sqrt(float(v)) for kind, v in sums.items()}
 
 
 def param_count_by_kind(model: nn.Module, *, trainable_only: bool = False) -> dict[str, int]:

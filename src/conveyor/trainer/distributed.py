@@ -1,4 +1,5 @@
-"""Data-parallel policy training with PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``).
+"""Data-parallel training of the policy (and its critic) with PyTorch FSDP2
+(``torch.distributed.fsdp.fully_shard``).
 
 ``trainer.world_size`` = W processes train one policy together: each holds 1/W of every
 parameter, gradient and AdamW moment (FSDP2 shards them as ``DTensor``; ZeRO-3 in DeepSpeed's
@@ -100,12 +101,17 @@ def free_port() -> int:
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's transformer blocks, found by the class names transformers lists in the model's
-    ``_no_split_modules`` (``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ...), in module order.
+    ``_no_split_modules`` (``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ...), in module order; a
+    wrapper without that attribute (a critic: a backbone and a value head) is searched through
+    its submodules' lists.
 
     Raises:
         ValueError: the model names no such class, or has none of those modules.
     """
     names = set(getattr(model, "_no_split_modules", None) or [])
+    if not names:
+        for m in model.modules():
+            names |= set(getattr(m, "_no_split_modules", None) or [])
     if not names:
         raise ValueError(f"trainer.world_size: {type(model).__name__} lists no _no_split_modules (its transformer "
                          "block class), so FSDP2 cannot shard it layer by layer")
@@ -196,6 +202,13 @@ def all_true(flag: bool) -> bool:
     t = torch.tensor([0 if flag else 1], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item()) == 0
+
+
+def all_sum(x: float) -> float:
+    """The sum of ``x`` over every process (collective; float64)."""
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t.item())
 
 
 def all_gather(obj: Any, world_size: int) -> list[Any]:

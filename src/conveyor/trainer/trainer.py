@@ -9,6 +9,7 @@ micro-batches -> AdamW step with gradient clipping and a warm-up schedule.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from contextlib import nullcontext
@@ -235,7 +236,7 @@ class Trainer:
                  data_parallel: dp_lib.DataParallel | None = None):
         self.dp = data_parallel
         if data_parallel is not None:
-            self._check_data_parallel(trainer_cfg, loss_cfg, proximal_cfg or ProximalConfig(), lora_cfg)
+            self._check_data_parallel(trainer_cfg, loss_cfg, proximal_cfg or ProximalConfig(), lora_cfg, critic_cfg)
         self.lora = None  # conveyor.trainer.lora.LoraPolicy with lora.enabled
         if lora_cfg is not None and lora_cfg.enabled:
             from conveyor.trainer.lora import apply_lora
@@ -290,10 +291,55 @@ class Trainer:
             if not hasattr(model, "gradient_checkpointing_enable"):
                 raise ValueError("trainer.activation_checkpointing needs a transformers model (gradient_checkpointing_enable)")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # data parallelism: an unsharded twin (rank 0) to hand plain weights to engines and
-        # evaluations, then FSDP2 shards the policy before its optimizer is built
         self._unsharded = None
         self._roots: dict[int, dp_lib.ShardedRoot] = {}  # id(model) -> its FSDP2 root
+        # the critic (MISSION.md section 3): its own model and updater; K updates per policy update
+        self.critic_cfg = critic_cfg or CriticConfig()
+        self.critic: critic_lib.ValueModel | critic_lib.HeadCritic | None = None  # critics[0]
+        self.critic_updater: Updater | None = None  # critic_updaters[0]
+        # AsyPPO's ensemble (MISSION.md section 4): critic.num_critics critics, each its own updater
+        self.critics: list = []
+        self.critic_updaters: list[Updater] = []
+        self.critic_warmup_done = 0  # critic-only steps taken before RL (critic.warmup_steps)
+        self.critic_note = ""
+        if loss_cfg.advantage == "gae":
+            cc = self.critic_cfg
+            k = cc.updates_per_step
+            frozen = 0
+            # with LoRA a copied backbone comes from the base model (no LoRA layers); a head
+            # critic reads the policy's own hidden states; built before the policy is sharded
+            # (data parallelism), so that a copied backbone copies plain tensors
+            source = (inference_copy(model, merged=False) if self.lora is not None and not cc.backbone.startswith("head")
+                      else model)
+            for i in range(cc.num_critics):
+                try:  # seed i: each critic its own value-head init
+                    critic = critic_lib.build_value_model(source, cc.backbone, seed=i)
+                except (ValueError, RuntimeError) as e:  # e.g. policy:L beyond the policy's layers, an unknown model
+                    raise ConfigError(f"critic.backbone={cc.backbone}: {e}") from e
+                frozen = critic_lib.freeze_attention(critic) if cc.freeze_attention else 0
+                if self.dp is not None:  # sharded like the policy (frozen attention stays frozen)
+                    try:
+                        self._roots[id(critic)] = dp_lib.shard_model(critic)
+                    except ValueError as e:
+                        raise ConfigError(f"critic.backbone={cc.backbone}: {e}") from e
+                up = Updater.adamw(
+                    "critic" if i == 0 else f"critic{i}", critic, lr=cc.lr, betas=cc.betas,
+                    weight_decay=cc.weight_decay, grad_clip=cc.grad_clip,
+                    total_steps=(trainer_cfg.total_steps + cc.warmup_steps) * k, fused=trainer_cfg.use_fused_optimizer,
+                    foreach=trainer_cfg.optimizer_foreach,
+                )
+                self.critics.append(critic)
+                self.critic_updaters.append(up)
+            self.critic, self.critic_updater = self.critics[0], self.critic_updaters[0]
+            counts = critic_lib.param_count_by_kind(self.critic)
+            ens = (f"{cc.num_critics} critics (AsyPPO ensemble: mask k {cc.mask_low_frac}, h {cc.mask_high_frac}), each "
+                   if cc.num_critics > 1 else "")
+            self.critic_note = (f"critic: {ens}backbone {cc.backbone} ({sum(counts.values()):,} parameters, "
+                                f"{frozen:,} of them in frozen attention), K = {k} updates per policy update")
+            log.info(self.critic_note)
+
+        # data parallelism: an unsharded twin (rank 0) to hand plain weights to engines and
+        # evaluations, then FSDP2 shards the policy before its optimizer is built
         if self.dp is not None:
             if self.dp.leader:
                 self._unsharded = copy.deepcopy(model).eval()
@@ -312,54 +358,17 @@ class Trainer:
             warmup_steps=trainer_cfg.warmup_steps * trainer_cfg.minibatches, schedule=trainer_cfg.schedule,
             fused=trainer_cfg.use_fused_optimizer, foreach=trainer_cfg.optimizer_foreach,
         )
-        self.updaters: list[Updater] = [self.policy]
+        self.updaters: list[Updater] = [self.policy, *self.critic_updaters]
         self.objective = get_objective(loss_cfg.name)
         self.baseline = gae_lib.SlidingWindowBaseline(loss_cfg.baseline_window) if loss_cfg.advantage == "sliding_window" else None
-        # the critic (MISSION.md section 3): its own model and updater; K updates per policy update
-        self.critic_cfg = critic_cfg or CriticConfig()
-        self.critic: critic_lib.ValueModel | critic_lib.HeadCritic | None = None  # critics[0]
-        self.critic_updater: Updater | None = None  # critic_updaters[0]
-        # AsyPPO's ensemble (MISSION.md section 4): critic.num_critics critics, each its own updater
-        self.critics: list = []
-        self.critic_updaters: list[Updater] = []
-        self.critic_warmup_done = 0  # critic-only steps taken before RL (critic.warmup_steps)
-        self.critic_note = ""
-        if loss_cfg.advantage == "gae":
-            cc = self.critic_cfg
-            k = cc.updates_per_step
-            frozen = 0
-            # with LoRA a copied backbone comes from the base model (no LoRA layers); a head
-            # critic reads the policy's own hidden states
-            source = (inference_copy(model, merged=False) if self.lora is not None and not cc.backbone.startswith("head")
-                      else model)
-            for i in range(cc.num_critics):
-                try:  # seed i: each critic its own value-head init
-                    critic = critic_lib.build_value_model(source, cc.backbone, seed=i)
-                except (ValueError, RuntimeError) as e:  # e.g. policy:L beyond the policy's layers, an unknown model
-                    raise ConfigError(f"critic.backbone={cc.backbone}: {e}") from e
-                frozen = critic_lib.freeze_attention(critic) if cc.freeze_attention else 0
-                up = Updater.adamw(
-                    "critic" if i == 0 else f"critic{i}", critic, lr=cc.lr, betas=cc.betas,
-                    weight_decay=cc.weight_decay, grad_clip=cc.grad_clip,
-                    total_steps=(trainer_cfg.total_steps + cc.warmup_steps) * k, fused=trainer_cfg.use_fused_optimizer,
-                    foreach=trainer_cfg.optimizer_foreach,
-                )
-                self.critics.append(critic)
-                self.critic_updaters.append(up)
-                self.updaters.append(up)
-            self.critic, self.critic_updater = self.critics[0], self.critic_updaters[0]
-            counts = critic_lib.param_count_by_kind(self.critic)
-            ens = (f"{cc.num_critics} critics (AsyPPO ensemble: mask k {cc.mask_low_frac}, h {cc.mask_high_frac}), each "
-                   if cc.num_critics > 1 else "")
-            self.critic_note = (f"critic: {ens}backbone {cc.backbone} ({sum(counts.values()):,} parameters, "
-                                f"{frozen:,} of them in frozen attention), K = {k} updates per policy update")
-            log.info(self.critic_note)
 
     @staticmethod
-    def _check_data_parallel(tc: TrainerConfig, lc: LossConfig, pc: ProximalConfig, lora_cfg: LoraConfig | None) -> None:
-        """Refuse, naming the key, what ``trainer.world_size`` > 1 does not support yet: a critic,
-        LoRA, several minibatches, proximal strategies that keep model copies."""
-        bad = data_parallel_unsupported(tc, lc, pc, lora_cfg)
+    def _check_data_parallel(tc: TrainerConfig, lc: LossConfig, pc: ProximalConfig, lora_cfg: LoraConfig | None,
+                             critic_cfg: CriticConfig | None) -> None:
+        """Refuse, naming the key, what ``trainer.world_size`` > 1 does not support yet: an
+        ensemble of critics or a head critic, LoRA, several minibatches, proximal strategies that
+        keep model copies (:func:`conveyor.config.data_parallel_unsupported`)."""
+        bad = data_parallel_unsupported(tc, lc, pc, lora_cfg, critic_cfg)
         if bad:
             raise ConfigError("trainer.world_size > 1 (FSDP2 data parallelism) does not support: " + "; ".join(bad))
 
@@ -415,10 +424,13 @@ class Trainer:
 
     def _values(self, mb: PackedBatch, mask: torch.Tensor, critic=None) -> torch.Tensor:
         """A critic's values ``[R, L]`` (float32) at the positions where ``mask`` > 0
-        (``critic``: default the first)."""
+        (``critic``: default the first); through its FSDP2 root with data parallelism."""
+        critic = critic if critic is not None else self.critic
+        root = self._roots.get(id(critic))
+        fn = critic_lib.token_values
+        call = fn if root is None else (lambda m, *a, **k: root(fn, *a, **k))
         with self._autocast():
-            return critic_lib.token_values(critic if critic is not None else self.critic, mb.input_ids,
-                                           mb.position_ids, mask=mask, attention_mask=mb.attention_mask)
+            return call(critic, mb.input_ids, mb.position_ids, mask=mask, attention_mask=mb.attention_mask)
 
     @dp_lib.collective()
     def weight_update(self) -> WeightUpdate:
@@ -623,10 +635,12 @@ class Trainer:
                         scores.values[j], scores.value_std[j] = mean * resp, std * resp
                         scores.critic_values[j] = each  # [N, R, L]: each critic's own (value clipping)
                     scores.value_seconds += time.perf_counter() - t_v
-        if self.ref_model is not None and id(self.ref_model) in self._roots:
-            # FSDP2 keeps a root's parameters gathered after its forward (for the backward pass,
-            # which the frozen reference never has): free the reference's (embeddings, head)
-            self._roots[id(self.ref_model)].reshard()
+        # FSDP2 keeps a root's parameters gathered after its forward (for the backward pass, which
+        # the frozen reference never has and the critic's values had none of): free them
+        # (embeddings, head)
+        for m in ([self.ref_model] if self.ref_model is not None else []) + self.critics:
+            if id(m) in self._roots:
+                self._roots[id(m)].reshard()
         return scores
 
     def assign_advantages(self, batch: StepBatch, scores: Scores) -> None:
@@ -705,10 +719,15 @@ class Trainer:
             flat_ret[pos] = ret[s_idx, k_idx]
             mb.advantages = flat_adv.reshape(mb.mask.shape) * mb.mask
             scores.returns[j] = flat_ret.reshape(mb.mask.shape) * mb.mask
-            idx = torch.tensor(mb.indices, dtype=torch.long)
-            seq_adv[idx] = (adv * action).sum(-1) / n_act.clamp(min=1)
+            if not (batch.padded and batch.padded[j]):  # a padding copy's trajectories are another's
+                idx = torch.tensor(mb.indices, dtype=torch.long)
+                seq_adv[idx] = (adv * action).sum(-1) / n_act.clamp(min=1)
+        if self.dp is not None:  # every trajectory's figure comes from the one process that has it
+            seq_adv = torch.stack(dp_lib.all_gather(seq_adv, self.dp.world_size)).sum(0)
         if cc.whiten_advantages:
             flat = torch.cat([mb.advantages[mb.mask > 0] for mb in batch.micro_batches])
+            if self.dp is not None:  # the whole batch's action tokens (padding copies have none)
+                flat = torch.cat(dp_lib.all_gather(flat, self.dp.world_size))
             if flat.numel() > 1:
                 mean, std = flat.mean(), flat.std(unbiased=False)
                 for mb in batch.micro_batches:
@@ -764,7 +783,8 @@ class Trainer:
             non-finite loss or gradient norm is skipped and counted.
         """
         mbs = batch.micro_batches
-        if sum(float(mb.mask.sum()) for mb in mbs) == 0:
+        counted = sum(float(mb.mask.sum()) for mb in mbs)
+        if (dp_lib.all_sum(counted) if self.dp is not None else counted) == 0:
             return {}
         n = len(self.critics)
         if n == 1:
@@ -793,9 +813,15 @@ class Trainer:
     def _critic_update_one(self, critic, up: Updater, mbs: list[PackedBatch], scores: Scores,
                            masks: list[torch.Tensor], old_values: list[torch.Tensor]) -> dict[str, float]:
         """K optimiser steps of one critic on the tokens of ``masks`` (one ``[R, L]`` per
-        micro-batch), value clipping around its own pre-update ``old_values``."""
+        micro-batch), value clipping around its own pre-update ``old_values``. With data
+        parallelism every process runs a pass on each of its micro-batches (one without a
+        counted token with a zero loss), the token-mean's denominator and the finite check are
+        the whole batch's, and the metrics combine every process's sums."""
         cc = self.critic_cfg
+        dp = self.dp
         denom = sum(float(m.sum()) for m in masks)
+        if dp is not None:
+            denom = dp_lib.all_sum(denom)
         metrics: dict[str, float] = {}
         if denom == 0:
             return metrics
@@ -809,19 +835,26 @@ class Trainer:
             finite = True
             for j, mb in enumerate(mbs):
                 m = masks[j]
-                if not bool((m > 0).any()):
-                    continue
+                if not bool((m > 0).any()) and dp is None:
+                    continue  # (data parallelism: a zero-loss pass keeps the collectives in step)
                 v = self._values(mb, mask=m, critic=critic)
                 out = critic_lib.value_loss(v, scores.returns[j], m, old_values=old_values[j] * m,
                                             clip=cc.value_clip)
                 loss = out.loss_sum / denom
+                if dp is not None:  # FSDP2 averages gradients over the processes; the sum is wanted
+                    loss = loss * dp.world_size
                 if not torch.isfinite(loss):
                     finite = False
-                    break
+                    if dp is None:
+                        break
+                    loss = loss * 0.0  # keep the collectives in step; the update is skipped below
                 loss.backward()
-                outs.append(out)
+                outs.append(dataclasses.replace(out, loss_sum=out.loss_sum.detach()))
                 del loss, v
                 self._trim()
+            if dp is not None:
+                finite = dp_lib.all_true(finite)
+                outs = [o for share in dp_lib.all_gather(outs, dp.world_size) for o in share]
             if finite:
                 for name, g in critic_lib.grad_norm_by_kind(critic).items():
                     kinds[name] += g / cc.updates_per_step
@@ -850,6 +883,7 @@ class Trainer:
         })
         return metrics
 
+    @dp_lib.collective()
     def critic_warmup_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One critic-only step before RL (``critic.warmup_steps``; SAO's cold start, MISSION.md
         section 3): values, GAE returns and K critic updates on rollouts of the frozen initial
@@ -870,7 +904,10 @@ class Trainer:
         metrics = self.critic_update(batch, scores)
         self.critic_warmup_done += 1
         rewards = torch.tensor([t.reward for t in trajectories])
-        metrics.update({"reward/mean": float(rewards.mean()), "train/tokens": float(sum(mb.num_tokens for mb in batch.micro_batches)),
+        tokens = float(sum(mb.num_tokens for mb in batch.micro_batches))
+        if self.dp is not None:
+            tokens = dp_lib.all_sum(tokens)
+        metrics.update({"reward/mean": float(rewards.mean()), "train/tokens": tokens,
                         "time/critic_warmup_step_s": time.perf_counter() - t0})
         return metrics
 
@@ -1017,13 +1054,14 @@ class Trainer:
             if scores.entropy[j] is not None:
                 ent_sum += float((scores.entropy[j] * mb.mask).sum())
         outputs, extra, kl_sum = update.outputs, update.extra, update.kl_sum
+        adv_sum = float(sum(float(mb.advantages.sum()) for mb in mbs))  # padding copies: advantages 0
         if self.dp is not None:  # the whole batch's figures: every process's share combined
-            shares = dp_lib.all_gather((n_tok, ent_sum, kl_sum, outputs, extra), self.dp.world_size)
-            n_tok, ent_sum, kl_sum = (sum(s[i] for s in shares) for i in range(3))
-            outputs = [o for s in shares for o in s[3]]
+            shares = dp_lib.all_gather((n_tok, ent_sum, kl_sum, adv_sum, outputs, extra), self.dp.world_size)
+            n_tok, ent_sum, kl_sum, adv_sum = (sum(s[i] for s in shares) for i in range(4))
+            outputs = [o for s in shares for o in s[4]]
             extra = {}
             for s in shares:
-                for k, v in s[4].items():
+                for k, v in s[5].items():
                     extra.setdefault(k, []).extend(v)
         if outputs:
             metrics.update({f"loss/{k}": v for k, v in loss_lib.aggregate(outputs).items()})
@@ -1042,8 +1080,7 @@ class Trainer:
             "train/entropy": ent_sum / max(1, n_tok),
             "train/kl_ref": kl_sum / max(1, n_tok),
             "train/advantage_abs_mean": float(batch.sequence_advantages.abs().mean()),
-            **({"train/advantage_token_mean": float(sum(float(mb.advantages.sum()) for mb in mbs) / max(1, n_tok))}
-               if self.critic is not None else {}),
+            **({"train/advantage_token_mean": adv_sum / max(1, n_tok)} if self.critic is not None else {}),
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std(unbiased=False)),
         })
@@ -1066,6 +1103,7 @@ class Trainer:
                 "optimizer": dp_lib.full_optimizer_state(self.model, self.optimizer), "optimizer_format": "by_name",
                 "scheduler": self.scheduler.state_dict(), "version": self.version,
                 "nonfinite_in_a_row": self.nonfinite_in_a_row, "proximal": self.proximal.state_dict(),
+                **self._critic_states(),
                 **({"baseline": self.baseline.state_dict()} if self.baseline is not None else {}),
             }
         return {
@@ -1077,14 +1115,45 @@ class Trainer:
             "version": self.version,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "proximal": self.proximal.state_dict(),
-            **({"critic": self.critic_updater.state_dict(), "critic_warmup_done": self.critic_warmup_done}
-               if self.critic_updater is not None else {}),
-            **({"critics_more": [u.state_dict() for u in self.critic_updaters[1:]]}
-               if len(self.critic_updaters) > 1 else {}),
+            **self._critic_states(),
             **({"baseline": self.baseline.state_dict()} if self.baseline is not None else {}),
         }
 
-    @dp_lib.collective(light=lambda a, k: (({key: v for key, v in a[0].items() if key not in ('model', 'optimizer')},), k))
+    def _critic_states(self) -> dict:
+        """The critics' part of :meth:`state_dict`: ``critic`` (the first updater's state),
+        ``critics_more`` (an ensemble's others), ``critic_warmup_done``; with data parallelism
+        (collective) each holds the full model and its optimizer state keyed by parameter name
+        at rank 0, as the policy's."""
+        if not self.critic_updaters:
+            return {}
+        if self.dp is None:
+            states = [u.state_dict() for u in self.critic_updaters]
+        else:
+            states = [{"model": dp_lib.full_model_state(u.model), "optimizer_format": "by_name",
+                       "optimizer": dp_lib.full_optimizer_state(u.model, u.optimizer),
+                       "scheduler": u.scheduler.state_dict(), "steps": u.steps} for u in self.critic_updaters]
+        return {"critic": states[0], "critic_warmup_done": self.critic_warmup_done,
+                **({"critics_more": states[1:]} if len(states) > 1 else {})}
+
+    def _load_updater(self, up: Updater, state: dict) -> None:
+        """Restore a critic's :meth:`_critic_states` entry, written by any number of processes
+        (collective with data parallelism: rank 0's full state is broadcast, followers get none)."""
+        by_name = state.get("optimizer_format") == "by_name"
+        if self.dp is None and not by_name:
+            up.load_state_dict(state)
+            return
+        if self.dp is not None:
+            dp_lib.load_full_model_state(up.model, state.get("model", {}))
+        else:
+            up.model.load_state_dict(state["model"])
+        opt = state.get("optimizer", {}) if self.dp is not None else state["optimizer"]
+        if self.dp is not None and self.dp.leader and not by_name:  # one process wrote it: keyed by position
+            opt = dp_lib.optimizer_state_by_name(opt, [n for n, p in up.model.named_parameters() if p.requires_grad])
+        dp_lib.load_full_optimizer_state(up.model, up.optimizer, opt)
+        up.scheduler.load_state_dict(state["scheduler"])
+        up.steps = int(state.get("steps", 0))
+
+    @dp_lib.collective(light=lambda a, k: ((_light_state(a[0]),), k))
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output.
 
@@ -1120,13 +1189,24 @@ class Trainer:
             if "critic" not in state:
                 raise ValueError("the checkpoint has no critic (it was written with loss.advantage != gae); "
                                  "resume it with its own loss.advantage")
-            self.critic_updater.load_state_dict(state["critic"])
             more = state.get("critics_more", [])
             if len(more) != len(self.critic_updaters) - 1:
                 raise ValueError(f"the checkpoint holds {len(more) + 1} critic(s), this run {len(self.critic_updaters)} "
                                  "(critic.num_critics cannot change on resume)")
-            for u, st in zip(self.critic_updaters[1:], more, strict=True):
-                u.load_state_dict(st)
+            for u, st in zip(self.critic_updaters, [state["critic"], *more], strict=True):
+                self._load_updater(u, st)
             self.critic_warmup_done = int(state.get("critic_warmup_done", 0))
         if self.baseline is not None and "baseline" in state:
             self.baseline.load_state_dict(state["baseline"])
+
+
+def _light_state(state: dict) -> dict:
+    """A checkpoint's state as rank 0 announces it to data-parallel followers: without the full
+    tensors (policy and critic models and optimizer states), which rank 0 broadcasts itself."""
+    heavy = ("model", "optimizer")
+    out = {k: v for k, v in state.items() if k not in heavy}
+    if isinstance(out.get("critic"), dict):
+        out["critic"] = {k: v for k, v in out["critic"].items() if k not in heavy}
+    if isinstance(out.get("critics_more"), list):
+        out["critics_more"] = [{k: v for k, v in st.items() if k not in heavy} for st in out["critics_more"]]
+    return out
