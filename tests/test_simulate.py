@@ -272,3 +272,26 @@ def test_cli_simulate_table_is_not_squeezed_when_piped(tmp_path, monkeypatch):
     rows = [line for line in r.output.splitlines() if "one_step" in line]
     assert len(rows) == 2 and all("trainer.step_base_s=" in line and "traj" not in line for line in rows)
     assert "traj/s" in r.output and "speed-up over the sync row of the same variant" in r.output
+
+
+def test_group_mates_follow_their_prompt_to_one_worker():
+    """Two workers, one group of 4 sharing a 10-token prompt at 0.1 s a token: routed by load
+    alone, the group splits 2 + 2 and both workers prefill the prompt (1 s each, in parallel);
+    with the router's affinity all 4 go to one worker, which prefills it once. Counted as
+    rollout busy time: 2 s of prefill vs 1 s (decode: 5 steps of 1 s per worker either way
+    with per-seq 0, the same on both)."""
+    def cfg(shared):
+        return SimConfig(
+            eta=0, steps=1, batch_size=1, group_size=4,
+            rollout=RolloutSim(workers=2, max_batch_size=8, decode_base_s=1.0, decode_per_seq_s=0.0,
+                               prefill_s_per_token=0.1, shared_prefill=shared,
+                               prompt_tokens=Dist(kind="constant", value=10, integer=True),
+                               response_tokens=Dist(kind="constant", value=5, integer=True)),
+            trainer=TrainerSim(step_base_s=1.0, s_per_token=0.0),
+        )
+    together, split = simulate(cfg(True)), simulate(cfg(False))
+    # affinity: one worker, 1 s prefill + 5 s decode, the other idle; no affinity, no sharing:
+    # each worker 2 requests, 2 prompts of 10 tokens = 2 s prefill + 5 s decode
+    assert together.wall_seconds == pytest.approx(1 + 5 + 1)
+    assert split.wall_seconds == pytest.approx(2 + 5 + 1)
+    assert together.rollout_busy * together.wall_seconds * 2 == pytest.approx(6.0)

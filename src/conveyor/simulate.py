@@ -11,7 +11,8 @@ Built on ``simpy``. The model follows the runtime of :mod:`conveyor.train` (MISS
   prefilled once, a later one finds them in the prefix cache) the requests of a group sharing a
   context pay its prefill once per weight version (those admitted with it nothing more, a later
   one a token); the cache is emptied by every weight update, and a re-encode after an update is
-  per request.
+  per request. A group-mate is routed to the worker that has its prompt (as conveyor's
+  ``EngineRouter`` does, within ``affinity_slack`` = 8 requests of the least loaded worker).
 - **Episodes** (groups of ``group_size`` trajectories sharing a prompt) wait ``env_latency_s``
   (a simulated environment / tool call) after each of their ``turns`` generation turns.
 - **Controller**: AReaL's capacity rule (MISSION.md section 1):
@@ -306,6 +307,9 @@ class _BusyClock:
         return float(self.seconds() / (Fraction(wall) * servers))
 
 
+AFFINITY_SLACK = 8  # EngineRouter's default affinity_slack (requests in flight)
+
+
 class _Worker:
     def __init__(self, env, cfg: RolloutSim, sim: _Sim):
         self.env, self.cfg, self.sim = env, cfg, sim
@@ -319,6 +323,11 @@ class _Worker:
 
     def load(self) -> int:
         return len(self.active) + len(self.queue)
+
+    def has(self, prefix: tuple) -> bool:
+        """Whether this worker holds or will hold ``prefix``'s prefill (routing affinity)."""
+        return prefix in self.cached or any(r.prefix == prefix for r in self.queue) or any(
+            r.prefix == prefix for r in self.active)
 
     def submit(self, req: _Req) -> None:
         self.queue.append(req)
@@ -408,6 +417,17 @@ class _Sim:
         self.trained_tokens = 0
         self.finished = self.env.event()
 
+    def _route(self, req: _Req) -> _Worker:
+        """The least loaded worker, except that a group-mate goes to the worker that has its
+        prompt (queued, running or cached) while that one has at most ``AFFINITY_SLACK`` more
+        requests than the least loaded (conveyor's EngineRouter, ``affinity_slack``)."""
+        least = min(self.workers, key=lambda w: w.load())
+        if req.prefix is not None and self.cfg.rollout.shared_prefill:
+            for w in self.workers:
+                if w.has(req.prefix) and w.load() <= least.load() + AFFINITY_SLACK:
+                    return w
+        return least
+
     def _notify_controller(self):
         if not self.controller_event.triggered:
             self.controller_event.succeed()
@@ -442,7 +462,7 @@ class _Sim:
             # the first turn's context is the group's shared prompt; later turns' contexts differ
             req = _Req(prompt=t["context"], remaining=resp, done=self.env.event(),
                        prefix=(eid, t["context"]) if t["context"] == prompt else None)
-            min(self.workers, key=lambda w: w.load()).submit(req)
+            self._route(req).submit(req)
             yield req.done
             if t["oldest"] is None:
                 t["oldest"] = req.first_version
