@@ -29,13 +29,16 @@ def critic_kwargs(case: dict) -> dict:
 def batches(version_of, case: dict | None = None) -> list:
     """The fixed batches of the steps (8 trajectories, groups of 4 sharing their prompt); the
     trajectories listed in ``case["filtered"]`` have no loss token (as reward.overlong=filter
-    leaves a truncated response)."""
+    leaves a truncated response), those in ``case["turn_rewards"]`` carry two turns' rewards (an
+    agent episode's, for GAE)."""
     from test_trainer import make_trajs
 
     out = [make_trajs(n=8, group=4, seed=s, version=version_of(s), shared_prompts=True) for s in STEP_SEEDS]
     for batch in out:
         for i in (case or {}).get("filtered", []):
             batch[i].action_mask = [0] * len(batch[i].response_ids)
+        for i in (case or {}).get("turn_rewards", []):  # a multi-turn episode's per-turn rewards
+            batch[i].turn_rewards = [(0, 0.5), (len(batch[i].response_ids) - 1, float(batch[i].reward))]
     return out
 
 

@@ -28,8 +28,9 @@ CASES = {
     # a critic (a copy of the policy, sharded alike): one warm-up step, then K = 2 critic updates
     # per policy update with frozen attention, value clipping and whitened GAE advantages; three
     # micro-batches (a padding pass for the critic too), one group filtered (a micro-batch with no
-    # counted token on one process)
+    # counted token on one process), per-turn rewards on the other group (multi-turn episodes)
     "sao_critic": {"trainer": {"micro_batch_tokens": 24}, "loss": {"advantage": "gae"}, "filtered": [4, 5, 6, 7],
+                   "turn_rewards": [0, 1, 2, 3],
                    "critic": {"warmup_steps": 1, "updates_per_step": 2, "freeze_attention": True, "value_clip": 0.5,
                               "whiten_advantages": True, "lr": 1e-3}},
 }
@@ -116,8 +117,9 @@ def test_the_critic_warm_up_and_updates_match_the_single_process_ones(runs):
 def test_a_padding_copy_of_a_micro_batch_leaves_its_trajectories_advantages_alone(tiny):
     """A process may run a zero-weight copy of one of its own micro-batches (the smallest):
     the copy has no action token, and must not overwrite the real micro-batch's per-trajectory
-    advantages with 0 (``train/advantage_abs_mean``). Checked in one process on a hand-made
-    batch: micro-batch 0 and its padding copy."""
+    advantages with 0 (``train/advantage_abs_mean``), nor fail the check that a multi-turn
+    episode's turn rewards sit on action tokens (an agent episode's ``turn_rewards``). Checked in
+    one process on a hand-made batch: micro-batch 0 and its padding copy."""
     import dataclasses
 
     from test_trainer import make_trajs
@@ -130,6 +132,7 @@ def test_a_padding_copy_of_a_micro_batch_leaves_its_trajectories_advantages_alon
     trajs = make_trajs(n=4, group=4, shared_prompts=True)
     for i, t in enumerate(trajs):
         t.reward = float(i % 2)
+        t.turn_rewards = [(0, 0.25), (len(t.response_ids) - 1, t.reward)]  # two turns' rewards
     batch = tr.pack(trajs)
     real = batch.micro_batches[0]
     batch = dataclasses.replace(batch, micro_batches=batch.micro_batches + [padding_batch(real)],
@@ -231,11 +234,14 @@ E2E = [
 ]
 
 
-def test_conveyor_train_with_two_trainer_processes_runs_resumes_and_cleans_up(tmp_path):
+@pytest.mark.parametrize("critic", [False, True], ids=["policy", "critic"])
+def test_conveyor_train_with_two_trainer_processes_runs_resumes_and_cleans_up(tmp_path, critic):
     """The inline runtime with trainer.world_size=2: rank 0 is this process, rank 1 a spawned
     follower; the run trains, checkpoints, evaluates with the gathered weights, stops its
     follower; its checkpoint resumes with ONE process (the optimizer state is keyed by name), and
-    that process's checkpoint with two again (rank 0 renames its position-keyed state)."""
+    that process's checkpoint with two again (rank 0 renames its position-keyed state). With a
+    critic (a warm-up step, K = 2): the critic's state travels the same way (announced to the
+    follower without its tensors, broadcast by rank 0)."""
     import json
     import multiprocessing
 
@@ -243,23 +249,33 @@ def test_conveyor_train_with_two_trainer_processes_runs_resumes_and_cleans_up(tm
     from conveyor.train import load_run_config, run_training
 
     run = tmp_path / "r"
-    res = run_training(load_config(None, E2E + ["trainer.total_steps=2", "trainer.world_size=2", f"run.dir={run}"]))
+    extra = ["loss.advantage=gae", "critic.warmup_steps=1", "critic.updates_per_step=2"] if critic else []
+    res = run_training(load_config(None, E2E + extra + ["trainer.total_steps=2", "trainer.world_size=2", f"run.dir={run}"]))
     assert res.steps == 2
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("conveyor-trainer")]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["train/tokens"] > 0 for r in rows)
-    assert torch.load(run / "checkpoints" / "step_2" / "trainer.pt", weights_only=False)["optimizer_format"] == "by_name"
+    ckpt = torch.load(run / "checkpoints" / "step_2" / "trainer.pt", weights_only=False)
+    assert ckpt["optimizer_format"] == "by_name"
+    if critic:
+        assert all(r["critic/updates"] == 2.0 for r in rows)
+        assert ckpt["critic"]["optimizer_format"] == "by_name" and ckpt["critic_warmup_done"] == 1
+        assert (run / "critic_warmup.jsonl").read_text().count("\n") == 1
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     assert [e["version"] for e in events if e["event"] == "eval"] == [2]  # the after-evaluation ran
     # resumed by one process, then by two from the checkpoint one process wrote (rank 0 reads
     # it, renames its optimizer state and broadcasts it)
     res = run_training(load_run_config(run, ["trainer.total_steps=3", "trainer.world_size=1"]), resume_dir=run)
     assert res.steps == 3
-    assert "optimizer_format" not in torch.load(run / "checkpoints" / "step_3" / "trainer.pt", weights_only=False)
+    ckpt = torch.load(run / "checkpoints" / "step_3" / "trainer.pt", weights_only=False)
+    assert "optimizer_format" not in ckpt and "optimizer_format" not in ckpt.get("critic", {})
     res = run_training(load_run_config(run, ["trainer.total_steps=4", "trainer.world_size=2"]), resume_dir=run)
     assert res.steps == 4 and (run / "checkpoints" / "step_4").is_dir()
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    if critic:  # the critic kept training from its restored state in every segment
+        assert all(r["critic/updates"] == 2.0 for r in rows)
+        assert torch.load(run / "checkpoints" / "step_4" / "trainer.pt", weights_only=False)["critic"]["steps"] == 2 * (1 + 4)
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("conveyor-trainer")]
 
 

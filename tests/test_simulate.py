@@ -275,11 +275,12 @@ def test_cli_simulate_table_is_not_squeezed_when_piped(tmp_path, monkeypatch):
 
 
 def test_group_mates_follow_their_prompt_to_one_worker():
-    """Two workers, one group of 4 sharing a 10-token prompt at 0.1 s a token: routed by load
-    alone, the group splits 2 + 2 and both workers prefill the prompt (1 s each, in parallel);
-    with the router's affinity all 4 go to one worker, which prefills it once. Counted as
-    rollout busy time: 2 s of prefill vs 1 s (decode: 5 steps of 1 s per worker either way
-    with per-seq 0, the same on both)."""
+    """Two workers, one group of 4 sharing a 10-token prompt at 0.1 s a token, decode steps of
+    1 s (per-sequence cost 0). With ``shared_prefill`` (and its routing affinity) all 4 go to one
+    worker, which prefills the prompt once: 1 s + 5 s, 6 worker-seconds busy (routed by load
+    alone the group would split 2 + 2 and each worker would prefill it: 12 worker-seconds, the
+    same wall-clock; only the busy time tells). Without: 2 + 2 requests, each paying its own
+    prefill, 2 s + 5 s per worker."""
     def cfg(shared):
         return SimConfig(
             eta=0, steps=1, batch_size=1, group_size=4,

@@ -695,7 +695,8 @@ class Trainer:
             last = (action * torch.arange(1, T + 1)).argmax(-1)  # last action token of each row
             r = torch.tensor([float(batch.trajectories[i].reward) for i in mb.indices])
             rewards[has.nonzero().squeeze(-1), last[has]] = r[has]
-            for s_, i in enumerate(mb.indices):  # multi-turn episodes: each turn's reward on its token
+            padded = bool(batch.padded and batch.padded[j])  # a zero-weight copy: no action token
+            for s_, i in enumerate([] if padded else mb.indices):  # multi-turn: each turn's reward on its token
                 turns = batch.trajectories[i].turn_rewards
                 if turns:
                     rewards[s_] = 0.0
@@ -719,7 +720,7 @@ class Trainer:
             flat_ret[pos] = ret[s_idx, k_idx]
             mb.advantages = flat_adv.reshape(mb.mask.shape) * mb.mask
             scores.returns[j] = flat_ret.reshape(mb.mask.shape) * mb.mask
-            if not (batch.padded and batch.padded[j]):  # a padding copy's trajectories are another's
+            if not padded:  # a padding copy's trajectories are another's
                 idx = torch.tensor(mb.indices, dtype=torch.long)
                 seq_adv[idx] = (adv * action).sum(-1) / n_act.clamp(min=1)
         if self.dp is not None:  # every trajectory's figure comes from the one process that has it
