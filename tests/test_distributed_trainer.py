@@ -85,13 +85,18 @@ def test_two_processes_give_the_single_process_update(runs):
                 assert torch.equal(d["weights"][n], t), (name, step, n)
 
 
-def test_the_critic_warm_up_and_updates_match_the_single_process_ones(runs):
+@pytest.fixture(scope="module")
+def critic_runs(group_out, tiny):
+    """The SAO case of the group run and its single-process reference."""
+    case = CASES["sao_critic"]
+    return case, torch.load(group_out / "sao_critic.pt", weights_only=False), run_single(case, tiny.model)
+
+
+def test_the_critic_warm_up_and_updates_match_the_single_process_ones(critic_runs):
     """The SAO case: the warm-up step (critic only) and every step's critic update give the
     single process's critic metrics, gradients (its last update's) and parameters; frozen
     attention stays bit-identical to the initial weights while the rest of the critic moves."""
-    name, case, dp, single = runs
-    if "critic" not in case:
-        pytest.skip("no critic in this case")
+    case, dp, single = critic_runs
     steps = [("warmup", dp["warmup"], single["warmup"])] + [
         (i, d, s) for i, (d, s) in enumerate(zip(dp["steps"], single["steps"], strict=True))]
     for step, d, s in steps:
