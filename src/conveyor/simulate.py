@@ -351,15 +351,16 @@ class _Worker:
             now: set[tuple] = set()  # contexts prefilled in this admission (deduplicated)
             while self.queue and len(self.active) < cfg.max_batch_size:
                 r = self.queue.pop(0)
-                if cfg.shared_prefill and r.prefix is not None and r.prefix in now:
+                key = r.prefix if cfg.shared_prefill else None
+                if key is not None and key in now:
                     pass  # an identical prompt admitted together: prefilled once
-                elif cfg.shared_prefill and r.prefix is not None and r.prefix in self.cached:
+                elif key is not None and key in self.cached:
                     prefill_tokens += 1  # a group-mate's context is cached: its last token runs
                 else:
-                    now.add(r.prefix)
                     prefill_tokens += r.prompt
-                    if cfg.shared_prefill and r.prefix is not None:
-                        self.cached.add(r.prefix)
+                    if key is not None:
+                        now.add(key)
+                        self.cached.add(key)
                 self.active.append(r)
             if not self.active:
                 self.wake = env.event()

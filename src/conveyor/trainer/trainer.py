@@ -784,13 +784,12 @@ class Trainer:
             non-finite loss or gradient norm is skipped and counted.
         """
         mbs = batch.micro_batches
-        counted = sum(float(mb.mask.sum()) for mb in mbs)
-        if (dp_lib.all_sum(counted) if self.dp is not None else counted) == 0:
-            return {}
         n = len(self.critics)
-        if n == 1:
+        if n == 1:  # (no counted token: {} from the update itself, whose denominator is the same sum)
             return self._critic_update_one(self.critic, self.critic_updater, mbs, scores, [mb.mask for mb in mbs],
                                            scores.values)
+        if sum(float(mb.mask.sum()) for mb in mbs) == 0:  # (an ensemble: never data-parallel)
+            return {}
         trajs = batch.trajectories
         groups = [t.group_id for t in trajs]
         if len(set(groups)) == len(groups):  # one response per prompt: shard by batch position
@@ -1100,8 +1099,7 @@ class Trainer:
         (``optimizer_format`` ``by_name``, loadable by any number of processes) at rank 0."""
         if self.dp is not None:
             return {
-                "model": dp_lib.full_model_state(self.model),
-                "optimizer": dp_lib.full_optimizer_state(self.model, self.optimizer), "optimizer_format": "by_name",
+                **_full_state(self.model, self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "version": self.version,
                 "nonfinite_in_a_row": self.nonfinite_in_a_row, "proximal": self.proximal.state_dict(),
                 **self._critic_states(),
@@ -1130,29 +1128,34 @@ class Trainer:
         if self.dp is None:
             states = [u.state_dict() for u in self.critic_updaters]
         else:
-            states = [{"model": dp_lib.full_model_state(u.model), "optimizer_format": "by_name",
-                       "optimizer": dp_lib.full_optimizer_state(u.model, u.optimizer),
-                       "scheduler": u.scheduler.state_dict(), "steps": u.steps} for u in self.critic_updaters]
+            states = [{**_full_state(u.model, u.optimizer), "scheduler": u.scheduler.state_dict(), "steps": u.steps}
+                      for u in self.critic_updaters]
         return {"critic": states[0], "critic_warmup_done": self.critic_warmup_done,
                 **({"critics_more": states[1:]} if len(states) > 1 else {})}
 
     def _load_updater(self, up: Updater, state: dict) -> None:
         """Restore a critic's :meth:`_critic_states` entry, written by any number of processes
         (collective with data parallelism: rank 0's full state is broadcast, followers get none)."""
-        by_name = state.get("optimizer_format") == "by_name"
-        if self.dp is None and not by_name:
-            up.load_state_dict(state)
-            return
-        if self.dp is not None:
+        if self.dp is not None:  # collective; rank 0's state is broadcast (followers get none)
             dp_lib.load_full_model_state(up.model, state.get("model", {}))
         else:
             up.model.load_state_dict(state["model"])
-        opt = state.get("optimizer", {}) if self.dp is not None else state["optimizer"]
-        if self.dp is not None and self.dp.leader and not by_name:  # one process wrote it: keyed by position
-            opt = dp_lib.optimizer_state_by_name(opt, [n for n, p in up.model.named_parameters() if p.requires_grad])
-        dp_lib.load_full_optimizer_state(up.model, up.optimizer, opt)
+        self._load_optimizer(up.model, up.optimizer, state)
         up.scheduler.load_state_dict(state["scheduler"])
         up.steps = int(state.get("steps", 0))
+
+    def _load_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Load ``state["optimizer"]`` written by one process (keyed by position) or by several
+        (``optimizer_format`` ``by_name``) into ``optimizer`` of ``model``; collective with data
+        parallelism (rank 0's state is broadcast, followers get none)."""
+        by_name = state.get("optimizer_format") == "by_name"
+        if self.dp is None and not by_name:  # one process, its own format
+            optimizer.load_state_dict(state["optimizer"])
+            return
+        opt = state.get("optimizer", {}) if self.dp is not None else state["optimizer"]
+        if self.dp is not None and self.dp.leader and not by_name:  # one process wrote it: keyed by position
+            opt = dp_lib.optimizer_state_by_name(opt, [n for n, p in model.named_parameters() if p.requires_grad])
+        dp_lib.load_full_optimizer_state(model, optimizer, opt)
 
     @dp_lib.collective(light=lambda a, k: ((_light_state(a[0]),), k))
     def load_state_dict(self, state: dict) -> None:
@@ -1167,20 +1170,13 @@ class Trainer:
             raise ValueError("the checkpoint holds " + ("a LoRA adapter (lora.enabled=true)" if "lora" in state else
                                                         "a fully fine-tuned policy (lora.enabled=false)")
                              + "; resume it with the same lora.enabled")
-        by_name = state.get("optimizer_format") == "by_name"
         if self.lora is not None:
             self.lora.load_adapter_state(state["model"])
         elif self.dp is not None:  # collective; rank 0's state is broadcast (followers get none)
             dp_lib.load_full_model_state(self.model, state.get("model", {}))
         else:
             self.model.load_state_dict(state["model"])
-        if self.dp is None and not by_name:  # one process, its own format
-            self.optimizer.load_state_dict(state["optimizer"])
-        else:  # by name; collective with data parallelism (rank 0's state is broadcast, followers get none)
-            opt = state.get("optimizer", {}) if self.dp is not None else state["optimizer"]
-            if self.dp is not None and self.dp.leader and not by_name:  # one process wrote it: keyed by position
-                opt = dp_lib.optimizer_state_by_name(opt, [n for n, p in self.model.named_parameters() if p.requires_grad])
-            dp_lib.load_full_optimizer_state(self.model, self.optimizer, opt)
+        self._load_optimizer(self.model, self.optimizer, state)
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
@@ -1199,6 +1195,13 @@ class Trainer:
             self.critic_warmup_done = int(state.get("critic_warmup_done", 0))
         if self.baseline is not None and "baseline" in state:
             self.baseline.load_state_dict(state["baseline"])
+
+
+def _full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """A sharded model's full weights and its optimizer state keyed by parameter name, at rank 0
+    (collective; loadable by any number of processes)."""
+    return {"model": dp_lib.full_model_state(model), "optimizer": dp_lib.full_optimizer_state(model, optimizer),
+            "optimizer_format": "by_name"}
 
 
 def _light_state(state: dict) -> dict:
