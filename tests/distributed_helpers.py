@@ -26,6 +26,13 @@ def critic_kwargs(case: dict) -> dict:
     return {"critic_cfg": CriticConfig(**case["critic"])} if "critic" in case else {}
 
 
+def lora_kwargs(case: dict) -> dict:
+    """``lora_cfg`` for the Trainer where the case trains LoRA adapters (``case["lora"]``)."""
+    from conveyor.config import LoraConfig
+
+    return {"lora_cfg": LoraConfig(enabled=True, **case["lora"])} if "lora" in case else {}
+
+
 def batches(version_of, case: dict | None = None) -> list:
     """The fixed batches of the steps (8 trajectories, groups of 4 sharing their prompt); the
     trajectories listed in ``case["filtered"]`` have no loss token (as reward.overlong=filter
@@ -59,7 +66,8 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, cases: dict[str, di
     """One process of the group, for each case in turn (one process group for all: the start-up
     is paid once): two train steps with a fresh trainer, a checkpoint after the first; rank 0
     saves what it saw (metrics, full gradients and parameters, the weight update, the
-    checkpoint) to ``out_dir/<case>.pt``."""
+    checkpoint, and the second step replayed after loading the first step's checkpoint) to
+    ``out_dir/<case>.pt``."""
     torch.set_num_threads(1)
     from conveyor.trainer.distributed import init_process_group
 
@@ -81,7 +89,8 @@ def _run_case(rank: int, dp, out: Path, case: dict) -> None:
 
     model = load_model("tiny", seed=0).model
     tc, lc = trainer_kwargs(case)
-    tr = Trainer(model, tc, lc, temperature=0.9, proximal_cfg=ProximalConfig(), data_parallel=dp, **critic_kwargs(case))
+    tr = Trainer(model, tc, lc, temperature=0.9, proximal_cfg=ProximalConfig(), data_parallel=dp, **critic_kwargs(case),
+                 **lora_kwargs(case))
     seen = []
     ckpt = policy = None
     warmup = None
@@ -91,14 +100,22 @@ def _run_case(rank: int, dp, out: Path, case: dict) -> None:
         m = tr.train_step(batch)
         snap = snapshot(tr, model)
         wu = tr.weight_update()
-        seen.append({"metrics": m, **snap, "weights": wu.tensors if wu is not None else None})
+        seen.append({"metrics": m, **snap, "weights": wu.tensors if wu is not None else None,
+                     "lora": dict(wu.lora) if wu is not None else None})
         if step == 0:
             ckpt = copy.deepcopy(tr.state_dict())  # like a checkpoint written at once (it references live tensors)
             policy = tr.inference_policy()  # e.g. the engine's model: must not change with later gathers
+            if "lora" in case:  # the adapter's files, gathered and written by rank 0 only
+                adapter = tr.save_adapter(out.parent / f"{out.stem}_adapter_r{rank}")
+                assert (adapter is None) == (rank != 0)
+    # the checkpoint of step 1 back into these processes (rank 0's full state is sent; a follower's
+    # own, without tensors, is only read for its plain fields), then step 2 again
+    tr.load_state_dict(copy.deepcopy(ckpt))  # (loading converts the dict's tensors in place)
+    replay = {"metrics": tr.train_step(batches(lambda s: s, case)[1]), **snapshot(tr, model)}
     if rank == 0:
         kept = {n: t.detach().clone() for n, t in policy.named_parameters()}
         torch.save({"steps": seen, "checkpoint": ckpt, "version": tr.version, "policy_after_step_1": kept,
-                    "warmup": warmup}, out)
+                    "warmup": warmup, "replay": replay}, out)
 
 
 def run_single(case: dict, model0) -> dict:
@@ -108,12 +125,13 @@ def run_single(case: dict, model0) -> dict:
 
     model = copy.deepcopy(model0)
     tc, lc = trainer_kwargs(case)
-    tr = Trainer(model, tc, lc, temperature=0.9, proximal_cfg=ProximalConfig(), **critic_kwargs(case))
+    tr = Trainer(model, tc, lc, temperature=0.9, proximal_cfg=ProximalConfig(), **critic_kwargs(case), **lora_kwargs(case))
     warmup = None
     if case.get("critic", {}).get("warmup_steps"):
         warmup = {"metrics": tr.critic_warmup_step(batches(lambda s: 0, case)[1]), **snapshot(tr, model)}
     seen = []
     for batch in batches(lambda s: s, case):
         m = tr.train_step(batch)
-        seen.append({"metrics": m, **snapshot(tr, model)})
+        wu = tr.weight_update()
+        seen.append({"metrics": m, **snapshot(tr, model), "weights": wu.tensors})
     return {"steps": seen, "version": tr.version, "warmup": warmup}

@@ -2,7 +2,9 @@
 single-process trainer's update on the same batch (loss, every metric, full gradients and
 parameters; the critic's too: SAO's recipe with warm-up, K = 2 updates, frozen attention, value
 clipping and whitened GAE advantages), publish the full weights, and write a checkpoint that one
-process resumes."""
+process resumes. A LoRA policy (adapters sharded with the frozen base weights; the KL reference
+is the base model under peft's disable_adapter) gives the single process's update too, publishes
+merged weights gathered from its adapters only, and writes the adapter's files at rank 0."""
 
 from __future__ import annotations
 
@@ -11,9 +13,17 @@ import copy
 import pytest
 import torch
 import torch.multiprocessing as mp
-from distributed_helpers import batches, critic_kwargs, run_rank, run_single, trainer_kwargs
+from distributed_helpers import (
+    batches,
+    critic_kwargs,
+    lora_kwargs,
+    run_rank,
+    run_single,
+    trainer_kwargs,
+)
 
 from conveyor.config import ConfigError, LoraConfig, LossConfig, ProximalConfig, TrainerConfig
+from conveyor.sync import LoraFactors
 from conveyor.trainer.distributed import DataParallel, assign_micro_batches, free_port
 from conveyor.trainer.trainer import Trainer
 
@@ -33,8 +43,12 @@ CASES = {
                    "turn_rewards": [0, 1, 2, 3],
                    "critic": {"warmup_steps": 1, "updates_per_step": 2, "freeze_attention": True, "value_clip": 0.5,
                               "whiten_advantages": True, "lr": 1e-3}},
+    # LoRA adapters (rank 4, alpha 8: scale 2) on the default targets, with the KL penalty against
+    # the base model (adapters disabled); three micro-batches (a padding pass)
+    "lora_kl": {"trainer": {"micro_batch_tokens": 24}, "loss": {"kl_coef": 0.05}, "lora": {"rank": 4, "alpha": 8.0}},
 }
-MICRO_BATCHES = {"grpo_token_mean": 3, "seq_mean_tis": 2, "filtered_group": 5, "sao_critic": 3}
+MICRO_BATCHES = {"grpo_token_mean": 3, "seq_mean_tis": 2, "filtered_group": 5, "sao_critic": 3, "lora_kl": 3}
+ADAPTER = ("lora_A.default.weight", "lora_B.default.weight", "base_layer.weight")
 SKIP = ("time/", "train/tokens_per_s", "proximal/extra_bytes")
 
 
@@ -79,6 +93,13 @@ def test_two_processes_give_the_single_process_update(runs):
             assert _close(d["grads"][n], s["grads"][n]), (name, step, n, (d["grads"][n] - s["grads"][n]).abs().max())
         for n in s["params"]:
             assert _close_params(d["params"][n], s["params"][n]), (name, step, n)
+        if "lora" in CASES[name]:  # the merged targeted weights W0 + (alpha / r) B A, and nothing else
+            assert d["weights"] and set(d["weights"]) == set(s["weights"]) and not d["lora"]
+            for n, t in d["weights"].items():
+                a, b, w0 = (d["params"][f"{n[:-len('.weight')]}.{k}"] for k in ADAPTER)
+                assert torch.allclose(t, LoraFactors(A=a, B=b, scale=8.0 / 4).merge(w0), rtol=1e-6, atol=1e-7), n
+                assert _close_params(t, s["weights"][n]), (name, step, n)
+            continue
         # the weights rank 0 publishes are the full, updated parameters (the same tensors gathered)
         for n, t in d["params"].items():
             if not n.startswith("critic."):  # the critic is never published
@@ -152,17 +173,30 @@ def test_a_padding_copy_of_a_micro_batch_leaves_its_trajectories_advantages_alon
 def test_an_inference_policy_is_a_copy_that_later_gathers_leave_alone(runs):
     """inference_policy() at version 1 (an engine's or an evaluation's model) still holds version
     1's weights after version 2 was gathered for the engine."""
-    _, _, dp, _ = runs
+    name, _, dp, _ = runs
+
+    def plain(step: dict) -> dict:  # the policy's weights under the plain model's names (LoRA: merged)
+        if not step["weights"] or "lora" not in CASES[name]:
+            return step["params"]
+        return {**step["params"], **step["weights"]}
+
+    first, second = plain(dp["steps"][0]), plain(dp["steps"][1])
     for n, t in dp["policy_after_step_1"].items():
-        assert torch.equal(t, dp["steps"][0]["params"][n]), n
-    assert any(not torch.equal(t, dp["steps"][1]["params"][n]) for n, t in dp["policy_after_step_1"].items())
+        assert torch.equal(t, first[n]), n
+    assert any(not torch.equal(t, second[n]) for n, t in dp["policy_after_step_1"].items())
 
 
 def test_the_update_moved_the_parameters(runs, tiny):
     """Guards the comparison above against a trainer that did nothing on both sides."""
-    _, _, dp, _ = runs
+    name, _, dp, _ = runs
     p0 = dict(tiny.model.named_parameters())
-    moved = [n for n, t in dp["steps"][0]["params"].items() if n in p0 and not torch.equal(t, p0[n].detach())]
+    params = dp["steps"][0]["params"]
+    if "lora" in CASES[name]:  # every B moved off its zero init; the frozen weights stayed
+        lora_b = [t for n, t in params.items() if ".lora_B." in n]
+        assert lora_b and all(float(t.abs().sum()) > 0 for t in lora_b)
+        assert all(torch.equal(t, p0[n.replace(".base_layer.", ".")].detach()) for n, t in params.items() if ".lora_" not in n)
+        return
+    moved = [n for n, t in params.items() if n in p0 and not torch.equal(t, p0[n].detach())]
     assert len(moved) > len(p0) // 2
 
 
@@ -172,7 +206,7 @@ def test_a_data_parallel_checkpoint_resumes_in_one_process(runs, tiny):
     assert ckpt["optimizer_format"] == "by_name" and ckpt["version"] == 1
     model = copy.deepcopy(tiny.model)
     tc, lc = trainer_kwargs(case)
-    tr = Trainer(model, tc, lc, temperature=0.9, proximal_cfg=ProximalConfig(), **critic_kwargs(case))
+    tr = Trainer(model, tc, lc, temperature=0.9, proximal_cfg=ProximalConfig(), **critic_kwargs(case), **lora_kwargs(case))
     tr.load_state_dict(ckpt)
     m = tr.train_step(batches(lambda s: s, case)[1])
     assert m["loss/loss"] == pytest.approx(single["steps"][1]["metrics"]["loss/loss"], rel=1e-4, abs=1e-6)
@@ -183,6 +217,34 @@ def test_a_data_parallel_checkpoint_resumes_in_one_process(runs, tiny):
         assert m["critic/value_loss"] == pytest.approx(single["steps"][1]["metrics"]["critic/value_loss"], rel=1e-4)
         for n, p in tr.critic.named_parameters():
             assert _close_params(p.detach(), single["steps"][1]["params"][f"critic.{n}"]), (name, n)
+    if "lora" in case:  # the adapters only, gathered from the shards, and their AdamW state by name
+        assert ckpt["lora"] == {"rank": 4, "alpha": 8.0, "target_modules": list(LoraConfig().target_modules)}
+        assert ckpt["model"] and all(".lora_" in k for k in ckpt["model"])
+        assert set(ckpt["optimizer"]["state"]) == set(ckpt["model"])
+
+
+def test_rank_0_writes_the_lora_adapter_files_with_the_gathered_adapters(group_out, tiny):
+    """save_adapter under data parallelism: rank 0's peft files hold the full adapters of
+    version 1 (loadable by peft onto the base model), rank 1 wrote nothing."""
+    peft = pytest.importorskip("peft")
+    dp = torch.load(group_out / "lora_kl.pt", weights_only=False)
+    assert not (group_out / "lora_kl_adapter_r1").exists()
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(tiny.model), str(group_out / "lora_kl_adapter_r0"))
+    got = {n: p for n, p in loaded.get_base_model().named_parameters() if ".lora_" in n}
+    assert got and set(got) == {n for n in dp["steps"][0]["params"] if ".lora_" in n}
+    for n, p in got.items():
+        assert torch.equal(p.detach(), dp["steps"][0]["params"][n]), n
+
+
+def test_a_data_parallel_checkpoint_resumes_in_the_same_processes(runs):
+    """Step 1's checkpoint loaded back into the two processes (each takes its shards of rank 0's
+    full state: the model, or with LoRA the adapters only, and the AdamW state by name), then
+    step 2 again: the single process's second update."""
+    name, case, dp, single = runs
+    replay, want = dp["replay"], single["steps"][1]
+    assert replay["metrics"]["loss/loss"] == pytest.approx(want["metrics"]["loss/loss"], rel=1e-4, abs=1e-6)
+    for n in want["params"]:
+        assert _close_params(replay["params"][n], want["params"][n]), (name, n)
 
 
 def test_a_single_process_optimizer_state_converts_to_the_by_name_format(tiny):
@@ -211,7 +273,7 @@ def test_a_single_process_optimizer_state_converts_to_the_by_name_format(tiny):
     ({"advantage": "gae"}, {}, "recompute", False, {"backbone": "head"}, "critic.backbone=head"),
     ({}, {"minibatches": 2}, "recompute", False, {}, "trainer.minibatches=2"),
     ({}, {}, "snapshot", False, {}, "proximal.method=snapshot"),
-    ({}, {}, "recompute", True, {}, "lora.enabled=true"),
+    ({"advantage": "gae"}, {}, "recompute", True, {"backbone": "head"}, "critic.backbone=head"),
 ])
 def test_unsupported_options_are_refused_naming_the_key(tiny, loss_kw, trainer_kw, proximal, lora, critic, needle):
     from conveyor.config import CriticConfig
@@ -284,13 +346,55 @@ def test_conveyor_train_with_two_trainer_processes_runs_resumes_and_cleans_up(tm
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("conveyor-trainer")]
 
 
-def test_world_size_with_the_ray_runtime_or_lora_is_a_config_error():
+def test_a_lora_run_with_two_trainer_processes_publishes_adapters_exports_and_resumes(tmp_path):
+    """``lora.enabled=true lora.sync=adapter`` with trainer.world_size=2: the engine gets its base
+    weights from rank 0's unsharded twin and each version's adapters gathered from the shards; the
+    export holds the merged model and the adapter (rank 0 writes them); one process resumes the
+    adapter checkpoint two processes wrote."""
+    import json
+
+    from conveyor.config import load_config
+    from conveyor.train import load_run_config, run_training
+
+    pytest.importorskip("peft")
+    run = tmp_path / "r"
+    # a reward that varies within a group (the response length): non-zero advantages, so the adapters move
+    lora = ["lora.enabled=true", "lora.sync=adapter", "lora.rank=4", "trainer.lr=1e-2", "rollout.temperature=1.0",
+            "reward.fn=conveyor.rewards.faults:response_length_reward"]
+    res = run_training(load_config(None, E2E + lora + ["trainer.total_steps=2", "trainer.world_size=2",
+                                                       "run.export=true", f"run.dir={run}"]))
+    assert res.steps == 2
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert [e["sync"] for e in events if e["event"] == "lora"] == ["adapter"]
+    assert (run / "export" / "adapter" / "adapter_model.safetensors").is_file()
+    assert (run / "export" / "config.json").is_file()
+    ckpt = torch.load(run / "checkpoints" / "step_2" / "trainer.pt", weights_only=False)
+    assert ckpt["optimizer_format"] == "by_name" and ckpt["model"] and all(".lora_" in k for k in ckpt["model"])
+    assert any(float(t.abs().sum()) > 0 for k, t in ckpt["model"].items() if ".lora_B." in k)  # trained
+    # the export (rank 0, from its twin) is the base model with version 2's gathered adapters merged
+    from conveyor.models import load_model
+
+    base, merged = load_model("tiny", seed=0).model.state_dict(), load_model(str(run / "export")).model.state_dict()
+    name = "model.layers.0.self_attn.q_proj"
+    a, b = ckpt["model"][f"{name}.lora_A.default.weight"], ckpt["model"][f"{name}.lora_B.default.weight"]
+    assert torch.allclose(merged[f"{name}.weight"], LoraFactors(A=a, B=b, scale=16.0 / 4).merge(base[f"{name}.weight"]),
+                          atol=1e-6)
+    assert not torch.equal(merged[f"{name}.weight"], base[f"{name}.weight"])
+    res = run_training(load_run_config(run, ["trainer.total_steps=3", "trainer.world_size=1", "run.export=false"]),
+                       resume_dir=run)
+    assert res.steps == 3
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+def test_world_size_with_the_ray_runtime_is_a_config_error_and_with_lora_is_not():
     from conveyor.config import load_config
 
     with pytest.raises(ConfigError, match="trainer.world_size=2 needs runtime.name=inline"):
         load_config(None, ["trainer.world_size=2", "runtime.name=ray"])
-    with pytest.raises(ConfigError, match=r"does not support: lora\.enabled=true"):  # at load, before any process starts
-        load_config(None, ["trainer.world_size=2", "lora.enabled=true"])
+    with pytest.raises(ConfigError, match=r"does not support: trainer\.minibatches=2"):  # at load, before any process starts
+        load_config(None, ["trainer.world_size=2", "trainer.minibatches=2"])
+    assert load_config(None, ["trainer.world_size=2", "lora.enabled=true"]).lora.enabled
 
 
 def test_a_failed_collective_call_at_rank_0_refuses_every_later_one():

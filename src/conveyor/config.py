@@ -749,8 +749,9 @@ def data_parallel_unsupported(trainer: TrainerConfig, loss: LossConfig, proximal
                               lora: LoraConfig | None, critic: CriticConfig | None = None) -> list[str]:
     """What ``trainer.world_size`` > 1 (FSDP2 data parallelism) does not support yet, each naming
     its key (empty: supported): an ensemble of critics or a head critic (one critic with its own
-    backbone is sharded like the policy), LoRA, several minibatches, proximal strategies that
-    keep model copies."""
+    backbone is sharded like the policy), several minibatches, proximal strategies that keep
+    model copies. A LoRA policy is sharded with its adapters (only they are gathered to publish
+    and checkpoint)."""
     bad = []
     if loss.advantage == "gae":
         cc = critic or CriticConfig()
@@ -758,8 +759,6 @@ def data_parallel_unsupported(trainer: TrainerConfig, loss: LossConfig, proximal
             bad.append(f"critic.num_critics={cc.num_critics} (the ensemble's uncertainty masks need the whole batch)")
         if cc.backbone.startswith("head"):
             bad.append(f"critic.backbone={cc.backbone} (it reads the sharded policy's hidden states)")
-    if lora is not None and lora.enabled:
-        bad.append("lora.enabled=true")
     if trainer.minibatches != 1:
         bad.append(f"trainer.minibatches={trainer.minibatches}")
     if proximal.method not in ("recompute", "behavior"):

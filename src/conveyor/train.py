@@ -403,7 +403,7 @@ def _finish(cfg: TrainConfig, job: _Job, parts: RolloutSide, loop: LoopResult, l
         if trainer.lora is not None:
             from conveyor.trainer.lora import ADAPTER_DIR
 
-            trainer.lora.save_adapter(export_dir / ADAPTER_DIR)
+            trainer.save_adapter(export_dir / ADAPTER_DIR)  # collective with data parallelism
         # tool, instruction, data set and eval settings: `conveyor eval --model RUN/export`
         # reproduces the held-out figure by default (issue 10, section 5b)
         from conveyor.eval import write_export_settings

@@ -176,7 +176,7 @@ class TrainerActor:
 
     def _adapter_files(self) -> dict[str, bytes]:
         with tempfile.TemporaryDirectory() as d:
-            self.trainer.lora.save_adapter(d)
+            self.trainer.save_adapter(d)
             return {str(p.relative_to(d)): p.read_bytes() for p in Path(d).rglob("*") if p.is_file()}
 
     def weight_update(self, dtype=None) -> RemoteWeightUpdate:
@@ -317,6 +317,17 @@ class RayTrainer:
     def inference_policy(self):
         """The plain policy (LoRA merged), pickled from the actor (export, float32 evaluations)."""
         return self._remote("inference_policy")
+
+    def save_adapter(self, directory: str | Path) -> Path:
+        """With LoRA: the adapter's peft files, made in the actor, written into ``directory``
+        (:meth:`conveyor.trainer.trainer.Trainer.save_adapter`).
+
+        Raises:
+            ValueError: the policy has no LoRA adapters.
+        """
+        if self.lora is None:
+            raise ValueError("save_adapter: the policy is fully fine-tuned (lora.enabled=false), it has no adapter")
+        return self.lora.save_adapter(directory)
 
     def close(self) -> None:
         """Kill the actor (idempotent)."""

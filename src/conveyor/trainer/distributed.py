@@ -233,6 +233,43 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def gather_params(model: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """The full values of ``model``'s parameters ``names`` (e.g. a LoRA adapter's, a few MB: not
+    the whole model, which :func:`full_model_state` gathers), detached CPU copies at rank 0
+    (empty elsewhere). Collective: every process passes the same ``names`` in the same order.
+
+    Raises:
+        KeyError: a name that is not a parameter of ``model``.
+    """
+    leader = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    out = {}
+    for name in names:
+        t = full_tensor(model.get_parameter(name).detach())
+        if leader:
+            out[name] = t.to("cpu", copy=True)
+    return out
+
+
+def scatter_params(model: torch.nn.Module, names: list[str], state: dict[str, torch.Tensor]) -> None:
+    """Set ``model``'s parameters ``names`` from full tensors read at rank 0 (``state``; ignored
+    elsewhere): rank 0 sends, every process keeps its shard (``distribute_tensor`` from rank 0).
+    A plain (unsharded) parameter is copied as it is. Collective, like :func:`gather_params`.
+
+    Raises:
+        KeyError: a name that is not a parameter of ``model`` (or missing from rank 0's ``state``).
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    leader = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    with torch.no_grad():
+        for name in names:
+            p = model.get_parameter(name)
+            full = state[name] if leader else torch.empty(p.shape, dtype=p.dtype)
+            if isinstance(p, DTensor):
+                full = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=0)
+            p.copy_(full)
+
+
 def load_full_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load a full state dict (read at rank 0; ignored elsewhere) into the sharded model: rank 0
     broadcasts, each process keeps its shards. Collective."""

@@ -172,7 +172,8 @@ class LoraPolicy:
         self.model = peft_model.get_base_model()
         self.cfg = cfg
         self.layers = lora_layers(self.model)
-        self._adapter_keys = [k for k in self.model.state_dict() if ".lora_" in k]
+        # the adapter's parameter names (``...q_proj.lora_A.default.weight``), in module order
+        self.adapter_keys = [k for k in self.model.state_dict() if ".lora_" in k]
         total = sum(p.numel() for p in self.model.parameters())
         self.trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         scale = float(self.layers[0][1].scaling[ADAPTER]) if self.layers else cfg.alpha / cfg.rank
@@ -224,21 +225,35 @@ class LoraPolicy:
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """The adapter's tensors (``...q_proj.lora_A.default.weight`` etc.), cloned."""
         state = self.model.state_dict()
-        return {k: state[k].detach().clone() for k in self._adapter_keys}
+        return {k: state[k].detach().clone() for k in self.adapter_keys}
 
-    def load_adapter_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore :meth:`adapter_state` output.
+    def check_adapter_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Whether :meth:`adapter_state` output (of this process or gathered from several) fits
+        this policy: the same names and shapes.
 
         Raises:
             ValueError: the names or shapes differ (another rank or target modules, or a fully
                 fine-tuned checkpoint).
         """
-        missing = sorted(set(self._adapter_keys) - set(state))
-        unexpected = sorted(set(state) - set(self._adapter_keys))
+        missing = sorted(set(self.adapter_keys) - set(state))
+        unexpected = sorted(set(state) - set(self.adapter_keys))
         if missing or unexpected:
             raise ValueError(f"the checkpoint's LoRA adapter does not fit this policy's ({len(missing)} tensors "
                              f"missing, e.g. {missing[:1]}; {len(unexpected)} unexpected, e.g. {unexpected[:1]}): "
                              "lora.target_modules cannot change on resume")
+        for k in self.adapter_keys:  # the global shape (a sharded parameter reports its full shape)
+            want, got = tuple(self.model.get_parameter(k).shape), tuple(state[k].shape)
+            if want != got:
+                raise ValueError(f"the checkpoint's LoRA adapter does not fit this policy's (lora.rank cannot change "
+                                 f"on resume): {k} has shape {got} in the checkpoint, {want} here")
+
+    def load_adapter_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`adapter_state` output.
+
+        Raises:
+            ValueError: see :meth:`check_adapter_state`.
+        """
+        self.check_adapter_state(state)
         try:
             self.model.load_state_dict(state, strict=False)
         except RuntimeError as e:  # a shape mismatch: another rank

@@ -14,6 +14,7 @@ import logging
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -214,7 +215,8 @@ class Trainer:
         data_parallel: This process's place among ``trainer.world_size`` trainer processes
             (:mod:`conveyor.trainer.distributed`; torch.distributed must be initialised): the
             policy is sharded with FSDP2 and each process trains on its share of every batch's
-            micro-batches. None: one process.
+            micro-batches (with LoRA the adapters are sharded with their frozen base weights;
+            rank 0 gathers only the adapters to publish, checkpoint and export). None: one process.
         lora_cfg: ``lora.*``; with ``enabled`` the policy is wrapped with peft
             (:func:`conveyor.trainer.lora.apply_lora`, in place: ``model`` gets LoRA layers), the
             optimizer holds only the adapters, the KL reference is the base model (adapters
@@ -340,9 +342,18 @@ class Trainer:
 
         # data parallelism: an unsharded twin (rank 0) to hand plain weights to engines and
         # evaluations, then FSDP2 shards the policy before its optimizer is built
+        # (with LoRA: a copy of the peft model, whose adapters each publish gathers: the base
+        # weights never change)
+        self._twin_lora = None  # with LoRA: a LoraPolicy over rank 0's unsharded twin
         if self.dp is not None:
             if self.dp.leader:
-                self._unsharded = copy.deepcopy(model).eval()
+                if self.lora is not None:
+                    from conveyor.trainer.lora import LoraPolicy
+
+                    self._twin_lora = LoraPolicy(copy.deepcopy(self.lora.peft_model), self.lora.cfg)
+                    self._unsharded = self._twin_lora.model.eval()
+                else:
+                    self._unsharded = copy.deepcopy(model).eval()
                 for p in self._unsharded.parameters():
                     p.requires_grad_(False)
             try:
@@ -437,16 +448,29 @@ class Trainer:
         """The current parameters as a :class:`WeightUpdate` stamped with :attr:`version`: every
         tensor (full fine-tuning), or with LoRA the merged targeted weights (``lora.sync=merged``)
         or the adapter factors (``adapter``; :meth:`conveyor.trainer.lora.LoraPolicy.weight_update`)."""
-        if self.lora is not None:
-            return self.lora.weight_update(self.version)
         if self.dp is not None:  # collective: every process calls it; rank 0 gets the weights
             policy = self._unsharded_policy()
-            return WeightUpdate.from_model(policy, self.version) if policy is not None else None
+            if policy is None:
+                return None
+            if self.lora is not None:
+                return self._twin_lora.weight_update(self.version)
+            return WeightUpdate.from_model(policy, self.version)
+        if self.lora is not None:
+            return self.lora.weight_update(self.version)
         return WeightUpdate.from_model(self.model, self.version)
 
     def _unsharded_policy(self) -> torch.nn.Module | None:
         """Data parallelism: the full weights gathered into rank 0's unsharded twin (collective;
-        None on other ranks)."""
+        None on other ranks). With LoRA only the adapters are gathered (the frozen base weights
+        are the twin's own)."""
+        if self.lora is not None:
+            state = dp_lib.gather_params(self.model, self.lora.adapter_keys)
+            if not self.dp.leader:
+                return None
+            with torch.no_grad():
+                for name, t in state.items():
+                    self._unsharded.get_parameter(name).copy_(t)
+            return self._unsharded
         state = dp_lib.full_model_state(self.model)
         if not self.dp.leader:
             return None
@@ -461,14 +485,37 @@ class Trainer:
         the gathered weights at rank 0 (collective; None on other ranks; callers copy it)."""
         if self.dp is not None:  # a copy: the twin is overwritten by every later gather
             twin = self._unsharded_policy()
-            return copy.deepcopy(twin) if twin is not None else None
+            if twin is None:
+                return None
+            return self._twin_lora.inference_model() if self.lora is not None else copy.deepcopy(twin)
         return self.lora.inference_model() if self.lora is not None else self.model
+
+    @dp_lib.collective()
+    def save_adapter(self, directory: str | Path) -> Path | None:
+        """With LoRA: the adapter as peft writes it (``adapter_config.json``,
+        ``adapter_model.safetensors``; :meth:`conveyor.trainer.lora.LoraPolicy.save_adapter`),
+        loadable with ``peft.PeftModel.from_pretrained(base_model, directory)``. With data
+        parallelism (collective) rank 0 gathers the adapters and writes them; other ranks write
+        nothing and get None.
+
+        Raises:
+            ValueError: the policy has no LoRA adapters (``lora.enabled=false``).
+        """
+        if self.lora is None:
+            raise ValueError("save_adapter: the policy is fully fine-tuned (lora.enabled=false), it has no adapter")
+        if self.dp is None:
+            return self.lora.save_adapter(directory)
+        if self._unsharded_policy() is None:
+            return None
+        return self._twin_lora.save_adapter(directory)
 
     def engine_lora_base(self) -> dict[str, torch.Tensor] | None:
         """The base weights ``W0`` an engine receiving adapters keeps (``lora.sync=adapter``:
         its ``lora_base``, copies); None otherwise."""
         if self.lora is None or self.lora.cfg.sync != "adapter":
             return None
+        if self.dp is not None:  # the frozen W0: rank 0's twin holds them whole (None elsewhere)
+            return self._twin_lora.base_weights() if self._twin_lora is not None else None
         return self.lora.base_weights()
 
     @property
@@ -1098,8 +1145,14 @@ class Trainer:
         parallelism (collective) the full model and the optimizer state keyed by parameter name
         (``optimizer_format`` ``by_name``, loadable by any number of processes) at rank 0."""
         if self.dp is not None:
+            if self.lora is not None:  # the adapters only, gathered (the base weights are model.name's)
+                policy = {"model": dp_lib.gather_params(self.model, self.lora.adapter_keys), **self._lora_spec(),
+                          "optimizer": dp_lib.full_optimizer_state(self.model, self.optimizer),
+                          "optimizer_format": "by_name"}
+            else:
+                policy = _full_state(self.model, self.optimizer)
             return {
-                **_full_state(self.model, self.optimizer),
+                **policy,
                 "scheduler": self.scheduler.state_dict(), "version": self.version,
                 "nonfinite_in_a_row": self.nonfinite_in_a_row, "proximal": self.proximal.state_dict(),
                 **self._critic_states(),
@@ -1107,8 +1160,7 @@ class Trainer:
             }
         return {
             "model": self.lora.adapter_state() if self.lora is not None else self.model.state_dict(),
-            **({"lora": {"rank": self.lora.cfg.rank, "alpha": self.lora.cfg.alpha,
-                         "target_modules": list(self.lora.cfg.target_modules)}} if self.lora is not None else {}),
+            **self._lora_spec(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
@@ -1117,6 +1169,13 @@ class Trainer:
             **self._critic_states(),
             **({"baseline": self.baseline.state_dict()} if self.baseline is not None else {}),
         }
+
+    def _lora_spec(self) -> dict:
+        """``{"lora": rank, alpha, target modules}`` of a LoRA policy's checkpoint (empty without)."""
+        if self.lora is None:
+            return {}
+        return {"lora": {"rank": self.lora.cfg.rank, "alpha": self.lora.cfg.alpha,
+                         "target_modules": list(self.lora.cfg.target_modules)}}
 
     def _critic_states(self) -> dict:
         """The critics' part of :meth:`state_dict`: ``critic`` (the first updater's state),
@@ -1170,7 +1229,18 @@ class Trainer:
             raise ValueError("the checkpoint holds " + ("a LoRA adapter (lora.enabled=true)" if "lora" in state else
                                                         "a fully fine-tuned policy (lora.enabled=false)")
                              + "; resume it with the same lora.enabled")
-        if self.lora is not None:
+        if self.lora is not None and self.dp is not None:  # collective: rank 0 checks, then sends its shards
+            refused = None
+            if self.dp.leader:
+                try:
+                    self.lora.check_adapter_state(state["model"])
+                except ValueError as e:
+                    refused = e
+            if not dp_lib.all_true(refused is None):  # every process refuses together
+                raise refused or ValueError("the checkpoint's LoRA adapter does not fit this policy (rank 0's "
+                                            "error says why)")
+            dp_lib.scatter_params(self.model, self.lora.adapter_keys, state.get("model", {}))
+        elif self.lora is not None:
             self.lora.load_adapter_state(state["model"])
         elif self.dp is not None:  # collective; rank 0's state is broadcast (followers get none)
             dp_lib.load_full_model_state(self.model, state.get("model", {}))
