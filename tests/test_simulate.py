@@ -90,11 +90,12 @@ def test_batching_and_prefill_cost():
 def test_a_shared_prompt_is_cached_until_the_next_weight_update():
     """One request at a time (max_batch_size 1), groups of 2, prompt 5 tokens at 0.1 s a token,
     decode steps of 1.5 s, 10 tokens per response, eta 1. Episode A: A1 prefills 5 tokens
-    (0.5 s) and decodes (15 s) -> 15.5; A2 finds the prompt cached: 1 token (0.1 s) + 15 s ->
-    30.6; update 1 (1.3 s) runs 30.6 -> 31.9. Episode B: B1 prefills 5 tokens (-> 31.1) and
-    decodes 8 tokens (-> 43.1), crossing the update: re-encoded (5 + 8 tokens, 1.3 s -> 44.4),
-    2 more tokens (-> 47.4); B2's prompt was cached with version 0's weights, emptied by the
-    update: 5 tokens again (-> 47.9) + 15 s -> 62.9; update 2 -> 64.2."""
+    (0.5 s) and decodes (15 s) -> 15.5; A2 finds the prompt cached: no prefill (it joins the
+    batch, whose decode step runs its last prompt token) + 15 s -> 30.5; update 1 (1.3 s) runs
+    30.5 -> 31.8. Episode B: B1 prefills 5 tokens (-> 31.0) and decodes 8 tokens (-> 43.0),
+    crossing the update: re-encoded (5 + 8 tokens, 1.3 s -> 44.3), 2 more tokens (-> 47.3); B2's
+    prompt was cached with version 0's weights, emptied by the update: 5 tokens again (-> 47.8)
+    + 15 s -> 62.8; update 2 -> 64.1."""
     cfg = SimConfig(
         eta=1, steps=2, batch_size=1, group_size=2,
         rollout=RolloutSim(max_batch_size=1, decode_base_s=1.0, decode_per_seq_s=0.5, prefill_s_per_token=0.1,
@@ -103,8 +104,8 @@ def test_a_shared_prompt_is_cached_until_the_next_weight_update():
         trainer=TrainerSim(step_base_s=1.0, s_per_token=0.01),
     )
     r = simulate(cfg)
-    assert r.wall_seconds == pytest.approx(64.2)
-    assert r.step_seconds == pytest.approx([30.6 + 1.3, 64.2 - 31.9])
+    assert r.wall_seconds == pytest.approx(64.1)
+    assert r.step_seconds == pytest.approx([30.5 + 1.3, 64.1 - 31.8])
 
 
 def test_env_latency_and_weight_sync():

@@ -8,9 +8,9 @@ Built on ``simpy``. The model follows the runtime of :mod:`conveyor.train` (MISS
   ``prefill_s_per_token`` per prompt token; one decode step of a batch of ``b`` sequences takes
   ``decode_base_s + decode_per_seq_s * b`` seconds and gives every sequence one token. With
   ``shared_prefill`` (default, as conveyor's engine: identical prompts admitted together are
-  prefilled once, a later one finds them in the prefix cache) the requests of a group sharing a
-  context pay its prefill once per weight version (those admitted with it nothing more, a later
-  one a token); the cache is emptied by every weight update, and a re-encode after an update is
+  prefilled once, a later one finds them in the prefix cache and joins the running batch, whose
+  next decode step runs its last token) the requests of a group sharing a context pay its
+  prefill once per weight version (the others nothing more); the cache is emptied by every weight update, and a re-encode after an update is
   per request. A group-mate is routed to the worker that has its prompt (as conveyor's
   ``EngineRouter`` does, within ``affinity_slack`` = 8 requests of the least loaded worker).
 - **Episodes** (groups of ``group_size`` trajectories sharing a prompt) wait ``env_latency_s``
@@ -355,7 +355,7 @@ class _Worker:
                 if key is not None and key in now:
                     pass  # an identical prompt admitted together: prefilled once
                 elif key is not None and key in self.cached:
-                    prefill_tokens += 1  # a group-mate's context is cached: its last token runs
+                    pass  # a group-mate's context is cached: it joins the batch, whose decode step runs its last token
                 else:
                     prefill_tokens += r.prompt
                     if key is not None:

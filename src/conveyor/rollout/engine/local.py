@@ -220,6 +220,7 @@ class InferenceEngine:
             thread_changes=0,  # set_num_threads applied (elastic cores)
             prefix_cache_hits=0,  # requests whose prompt extended a cached prefix
             prefix_cache_hit_tokens=0,  # prompt tokens those requests did not run through the model
+            prefix_hits_joined=0,  # hits with one token left, run by the next decode step (no prefill pass)
             prefill_dedup_tokens=0,  # tokens of identical sequences prefilled once (admitted together)
             prefill_forwards=0,  # prefill / re-encode forward passes
             merge_seconds=0.0,  # s copying the running batch's keys / values to admit requests into it
@@ -454,6 +455,8 @@ class InferenceEngine:
             ``num_threads`` (intra-op threads of the decode thread now, 0 before it started),
             ``thread_changes`` (:meth:`set_num_threads` changes applied), ``prefix_cache_hits``,
             ``prefix_cache_hit_tokens`` (prompt tokens the prefix cache saved from the model),
+            ``prefix_hits_joined`` (hits with one token left: they joined the running batch and
+            the next decode step ran that token, no prefill pass of their own),
             ``prefill_dedup_tokens`` (tokens of identical prompts admitted together, prefilled
             once), ``prefill_forwards`` (prefill and re-encode forward passes), ``merge_seconds``
             (s copying keys / values to admit prefilled requests into the running batch; not
@@ -949,8 +952,11 @@ class InferenceEngine:
                     misses.append(req)
                 else:
                     hits.setdefault(len(seq) - hit[0], []).append((req, *hit))
-            for group in hits.values():
-                self._prefill_from_prefix(group)
+            for left, group in hits.items():
+                if left == 1:  # all but the last token cached: that token runs in the next decode step
+                    self._join_from_prefix(group)
+                else:
+                    self._prefill_from_prefix(group)
             if misses:
                 self._prefill(misses, kind="admit")
         if self._batch is not None:
@@ -1077,17 +1083,7 @@ class InferenceEngine:
         S = len(rest[0])
         past = max(cached)
         length = past + S
-        pad = torch.tensor([past - n for n in cached], dtype=torch.long)
-        layers = []
-        for li in range(self._num_layers):
-            k0 = hits[0][2][li][0]
-            h, _, d = k0.shape
-            kbuf = k0.new_zeros(len(hits), h, length + _KV_GROWTH, d)
-            vbuf = k0.new_zeros(len(hits), h, length + _KV_GROWTH, d)
-            for b, (_, n, kv) in enumerate(hits):
-                kbuf[b, :, past - n : past].copy_(kv[li][0])
-                vbuf[b, :, past - n : past].copy_(kv[li][1])
-            layers.append(_KVLayer(kbuf, vbuf, past))
+        pad, layers = self._cached_rows(hits, S)
         cols = torch.arange(length)
         q = torch.arange(past, length)
         causal = cols.unsqueeze(0) <= q.unsqueeze(1)  # [S(query), length(key)]
@@ -1100,6 +1096,40 @@ class InferenceEngine:
         plan = _make_plan([r.params for r in reqs])
         tokens = self._sample_and_record(reqs, logits, plan)
         self._join(_Batch(reqs=reqs, layers=layers, pad=pad, length=length, pending=tokens, plan=plan))
+
+    def _cached_rows(self, hits: list, left: int) -> tuple[torch.Tensor, list[_KVLayer]]:
+        """The left padding ``[B]`` and per-layer caches of prefix-cache ``hits`` (as in
+        :meth:`_prefill_from_prefix`): each row's cached keys / values end at the same column,
+        with room for ``left`` more tokens before the buffers grow."""
+        cached = [n for _, n, _ in hits]
+        past = max(cached)
+        layers = []
+        for li in range(self._num_layers):
+            k0 = hits[0][2][li][0]
+            h, _, d = k0.shape
+            kbuf = k0.new_zeros(len(hits), h, past + left + _KV_GROWTH, d)
+            vbuf = k0.new_zeros(len(hits), h, past + left + _KV_GROWTH, d)
+            for b, (_, n, kv) in enumerate(hits):
+                kbuf[b, :, past - n : past].copy_(kv[li][0])
+                vbuf[b, :, past - n : past].copy_(kv[li][1])
+            layers.append(_KVLayer(kbuf, vbuf, past))
+        return torch.tensor([past - n for n in cached], dtype=torch.long), layers
+
+    def _join_from_prefix(self, hits: list[tuple[_Request, int, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
+        """Admit prefix-cache hits with all but their last token cached (a group-mate whose
+        prompt a sibling prefilled) without a forward pass of their own: they join the running
+        batch with that token as their pending input, so the next decode step runs it and samples
+        their first token from its logits (the same computation as a one-token prefill, one
+        forward pass fewer per admission round). ``hits`` as in :meth:`_prefill_from_prefix`."""
+        reqs = [r for r, _, _ in hits]
+        pad, layers = self._cached_rows(hits, 1)
+        last = torch.tensor([(r.prompt_ids + r.token_ids)[-1] for r in reqs], dtype=torch.long)
+        with self._cond:
+            self._stats["prefix_cache_hits"] += len(hits)
+            self._stats["prefix_cache_hit_tokens"] += sum(n for _, n, _ in hits)
+            self._stats["prefix_hits_joined"] += len(hits)
+        self._join(_Batch(reqs=reqs, layers=layers, pad=pad, length=layers[0].length, pending=last,
+                          plan=_make_plan([r.params for r in reqs])))
 
     def _decode(self) -> None:
         fault_point("generate")  # chaos suite: a kill during generation
