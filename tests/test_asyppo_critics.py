@@ -82,9 +82,12 @@ def test_ensemble_shards_responses_j_mod_n(tiny):
         m = tr.critic_update(batch, scores)
         return tr, m
 
-    a, m = run([1.0, 0.0, 1.0, 0.0])
-    b, _ = run([1.0, 5.0, 1.0, 5.0])  # responses 1 and 3: index 1 in their prompts -> critic 1
-    c, _ = run([7.0, 0.0, 7.0, 0.0])  # responses 0 and 2 -> critic 0
+    # Adam's first step moves each weight by about lr * sign(gradient), so a changed reward shows
+    # in the weights only where it flips the sign of (value - return): the initial values are
+    # small, so returns +1 and -5 / -7 lie on opposite sides of every token's value.
+    a, m = run([1.0, 1.0, 1.0, 1.0])
+    b, _ = run([1.0, -5.0, 1.0, -5.0])  # responses 1 and 3: index 1 in their prompts -> critic 1
+    c, _ = run([-7.0, 1.0, -7.0, 1.0])  # responses 0 and 2 -> critic 0
     assert torch.equal(a.critics[0].fc2.weight, b.critics[0].fc2.weight)
     assert not torch.equal(a.critics[1].fc2.weight, b.critics[1].fc2.weight)
     assert torch.equal(a.critics[1].fc2.weight, c.critics[1].fc2.weight)
