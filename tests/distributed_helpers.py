@@ -108,14 +108,39 @@ def _run_case(rank: int, dp, out: Path, case: dict) -> None:
             if "lora" in case:  # the adapter's files, gathered and written by rank 0 only
                 adapter = tr.save_adapter(out.parent / f"{out.stem}_adapter_r{rank}")
                 assert (adapter is None) == (rank != 0)
+    refused = _refuse_bad_adapters(tr, ckpt, rank) if "lora" in case else []
     # the checkpoint of step 1 back into these processes (rank 0's full state is sent; a follower's
-    # own, without tensors, is only read for its plain fields), then step 2 again
+    # own, without tensors, is only read for its plain fields), then step 2 again (after the
+    # refusals above: the processes are still in step)
     tr.load_state_dict(copy.deepcopy(ckpt))  # (loading converts the dict's tensors in place)
     replay = {"metrics": tr.train_step(batches(lambda s: s, case)[1]), **snapshot(tr, model)}
     if rank == 0:
         kept = {n: t.detach().clone() for n, t in policy.named_parameters()}
         torch.save({"steps": seen, "checkpoint": ckpt, "version": tr.version, "policy_after_step_1": kept,
-                    "warmup": warmup, "replay": replay}, out)
+                    "warmup": warmup, "replay": replay, "lora_base": tr.engine_lora_base(), "refused": refused}, out)
+    else:
+        (out.parent / f"{out.stem}_refused_r{rank}.txt").write_text("\n".join(refused))
+
+
+def _refuse_bad_adapters(tr, ckpt: dict, rank: int) -> list[str]:
+    """Two checkpoints whose adapters rank 0 cannot load (one of the wrong shape, one without its
+    model), while the follower's copy is fine: every process must raise ValueError (rank 0 checks
+    and tells the others; none waits for the other in a collective). The messages, in order."""
+    out = []
+    for spoil in ("shape", "missing"):
+        bad = copy.deepcopy(ckpt)
+        if rank == 0 and spoil == "shape":
+            first = sorted(bad["model"])[0]
+            bad["model"][first] = torch.zeros(1)
+        elif rank == 0:
+            del bad["model"]
+        try:
+            tr.load_state_dict(bad)
+        except ValueError as e:
+            out.append(f"{spoil}: {e}")
+        else:
+            out.append(f"{spoil}: loaded")
+    return out
 
 
 def run_single(case: dict, model0) -> dict:
@@ -133,5 +158,5 @@ def run_single(case: dict, model0) -> dict:
     for batch in batches(lambda s: s, case):
         m = tr.train_step(batch)
         wu = tr.weight_update()
-        seen.append({"metrics": m, **snapshot(tr, model), "weights": wu.tensors})
+        seen.append({"metrics": m, **snapshot(tr, model), "weights": wu.tensors, "lora": dict(wu.lora)})
     return {"steps": seen, "version": tr.version, "warmup": warmup}

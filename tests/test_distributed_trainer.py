@@ -46,8 +46,12 @@ CASES = {
     # LoRA adapters (rank 4, alpha 8: scale 2) on the default targets, with the KL penalty against
     # the base model (adapters disabled); three micro-batches (a padding pass)
     "lora_kl": {"trainer": {"micro_batch_tokens": 24}, "loss": {"kl_coef": 0.05}, "lora": {"rank": 4, "alpha": 8.0}},
+    # LoRA whose engine receives the adapters (lora.sync=adapter) and keeps the base weights W0
+    # from rank 0's unsharded twin; two micro-batches, one per process
+    "lora_adapter_sync": {"lora": {"rank": 2, "alpha": 4.0, "sync": "adapter"}},
 }
-MICRO_BATCHES = {"grpo_token_mean": 3, "seq_mean_tis": 2, "filtered_group": 5, "sao_critic": 3, "lora_kl": 3}
+MICRO_BATCHES = {"grpo_token_mean": 3, "seq_mean_tis": 2, "filtered_group": 5, "sao_critic": 3, "lora_kl": 3,
+                 "lora_adapter_sync": 2}
 ADAPTER = ("lora_A.default.weight", "lora_B.default.weight", "base_layer.weight")
 SKIP = ("time/", "train/tokens_per_s", "proximal/extra_bytes")
 
@@ -93,6 +97,16 @@ def test_two_processes_give_the_single_process_update(runs):
             assert _close(d["grads"][n], s["grads"][n]), (name, step, n, (d["grads"][n] - s["grads"][n]).abs().max())
         for n in s["params"]:
             assert _close_params(d["params"][n], s["params"][n]), (name, step, n)
+        if CASES[name].get("lora", {}).get("sync") == "adapter":  # factors only; the engine merges
+            assert not d["weights"] and d["lora"] and set(d["lora"]) == set(s["lora"])
+            base = dp["lora_base"]  # W0 from rank 0's twin: the initial weights, whole
+            assert set(base) == set(d["lora"])
+            for n, f in d["lora"].items():
+                assert torch.equal(base[n], d["params"][f"{n[:-len('.weight')]}.base_layer.weight"]), n
+                assert f.scale == s["lora"][n].scale == 2.0
+                assert _close_params(f.A, s["lora"][n].A) and _close_params(f.B, s["lora"][n].B), (name, step, n)
+                assert _close_params(f.merge(base[n]), s["lora"][n].merge(base[n])), (name, step, n)
+            continue
         if "lora" in CASES[name]:  # the merged targeted weights W0 + (alpha / r) B A, and nothing else
             assert d["weights"] and set(d["weights"]) == set(s["weights"]) and not d["lora"]
             for n, t in d["weights"].items():
@@ -176,8 +190,10 @@ def test_an_inference_policy_is_a_copy_that_later_gathers_leave_alone(runs):
     name, _, dp, _ = runs
 
     def plain(step: dict) -> dict:  # the policy's weights under the plain model's names (LoRA: merged)
-        if not step["weights"] or "lora" not in CASES[name]:
+        if "lora" not in CASES[name]:
             return step["params"]
+        if step["lora"]:  # lora.sync=adapter: merged from the factors and the engine's W0
+            return {**step["params"], **{n: f.merge(dp["lora_base"][n]) for n, f in step["lora"].items()}}
         return {**step["params"], **step["weights"]}
 
     first, second = plain(dp["steps"][0]), plain(dp["steps"][1])
@@ -218,7 +234,8 @@ def test_a_data_parallel_checkpoint_resumes_in_one_process(runs, tiny):
         for n, p in tr.critic.named_parameters():
             assert _close_params(p.detach(), single["steps"][1]["params"][f"critic.{n}"]), (name, n)
     if "lora" in case:  # the adapters only, gathered from the shards, and their AdamW state by name
-        assert ckpt["lora"] == {"rank": 4, "alpha": 8.0, "target_modules": list(LoraConfig().target_modules)}
+        want = {k: case["lora"][k] for k in ("rank", "alpha")}
+        assert ckpt["lora"] == {**want, "target_modules": list(LoraConfig().target_modules)}
         assert ckpt["model"] and all(".lora_" in k for k in ckpt["model"])
         assert set(ckpt["optimizer"]["state"]) == set(ckpt["model"])
 
@@ -234,6 +251,19 @@ def test_rank_0_writes_the_lora_adapter_files_with_the_gathered_adapters(group_o
     assert got and set(got) == {n for n in dp["steps"][0]["params"] if ".lora_" in n}
     for n, p in got.items():
         assert torch.equal(p.detach(), dp["steps"][0]["params"][n]), n
+
+
+@pytest.mark.parametrize("case", ["lora_kl", "lora_adapter_sync"])
+def test_a_lora_checkpoint_rank_0_cannot_load_is_refused_by_every_process(group_out, case):
+    """Rank 0 checks the adapters (a wrong shape; no model at all) and every process raises
+    ValueError together; the replay of step 2 afterwards shows that they stayed in step."""
+    dp = torch.load(group_out / f"{case}.pt", weights_only=False)
+    follower = (group_out / f"{case}_refused_r1.txt").read_text().splitlines()
+    assert [m.split(":")[0] for m in dp["refused"]] == ["shape", "missing"]
+    assert "shape" in dp["refused"][0] and "cannot be read (KeyError" in dp["refused"][1]
+    assert follower == [f"{s}: the checkpoint's LoRA adapter does not fit this policy (rank 0's error says why)"
+                        for s in ("shape", "missing")]
+    assert dp["replay"]["metrics"]["loss/loss"] == pytest.approx(dp["steps"][1]["metrics"]["loss/loss"], rel=1e-4)
 
 
 def test_a_data_parallel_checkpoint_resumes_in_the_same_processes(runs):

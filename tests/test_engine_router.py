@@ -518,3 +518,16 @@ def test_an_engine_found_dead_after_stop_is_replaced_only_when_the_router_starts
     r.start()
     assert r.wait_for_replacements(5) and built == [1] and r.engines[1].name == 70
     assert r.stats()["engines"][1]["state"] == "live"
+
+
+def test_every_counter_of_a_real_engine_is_carried_over_when_an_engine_is_replaced(tiny):
+    """A replaced engine's counters are added to its successor's (CUMULATIVE_ENGINE_STATS): each
+    number the local engine reports is either listed there or one of the known gauges (values
+    of now, not sums), so a new counter cannot silently restart from 0 after a replacement."""
+    from conveyor.rollout.engine import InferenceEngine
+    from conveyor.rollout.engine.router import CUMULATIVE_ENGINE_STATS
+
+    gauges = {"num_threads", "running", "waiting", "version", "paused", "prefix_cache_tokens"}
+    numbers = {k for k, v in InferenceEngine(tiny.model, tiny.tokenizer).stats().items()
+               if isinstance(v, (int, float))}
+    assert numbers - gauges == CUMULATIVE_ENGINE_STATS

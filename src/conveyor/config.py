@@ -751,7 +751,7 @@ def data_parallel_unsupported(trainer: TrainerConfig, loss: LossConfig, proximal
     its key (empty: supported): an ensemble of critics or a head critic (one critic with its own
     backbone is sharded like the policy), several minibatches, proximal strategies that keep
     model copies. A LoRA policy is sharded with its adapters (only they are gathered to publish
-    and checkpoint)."""
+    and checkpoint), so ``lora`` never adds an entry; it stays in the signature for callers."""
     bad = []
     if loss.advantage == "gae":
         cc = critic or CriticConfig()

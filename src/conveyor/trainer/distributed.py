@@ -253,20 +253,25 @@ def gather_params(model: torch.nn.Module, names: list[str]) -> dict[str, torch.T
 def scatter_params(model: torch.nn.Module, names: list[str], state: dict[str, torch.Tensor]) -> None:
     """Set ``model``'s parameters ``names`` from full tensors read at rank 0 (``state``; ignored
     elsewhere): rank 0 sends, every process keeps its shard (``distribute_tensor`` from rank 0).
-    A plain (unsharded) parameter is copied as it is. Collective, like :func:`gather_params`.
+    A plain (unsharded) parameter gets rank 0's value by broadcast. Collective, like
+    :func:`gather_params`.
 
     Raises:
         KeyError: a name that is not a parameter of ``model`` (or missing from rank 0's ``state``).
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    leader = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    grouped = dist.is_available() and dist.is_initialized()
+    leader = not grouped or dist.get_rank() == 0
     with torch.no_grad():
         for name in names:
             p = model.get_parameter(name)
-            full = state[name] if leader else torch.empty(p.shape, dtype=p.dtype)
-            if isinstance(p, DTensor):
-                full = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=0)
+            full = state[name].to(p.dtype) if leader else torch.empty(p.shape, dtype=p.dtype)
+            if isinstance(p, DTensor):  # scattered from the mesh's first rank (rank 0 here)
+                full = distribute_tensor(full, p.device_mesh, p.placements)
+            elif grouped:
+                full = full.to(p.device).contiguous()
+                dist.broadcast(full, src=0)
             p.copy_(full)
 
 

@@ -377,8 +377,11 @@ class Trainer:
     def _check_data_parallel(tc: TrainerConfig, lc: LossConfig, pc: ProximalConfig, lora_cfg: LoraConfig | None,
                              critic_cfg: CriticConfig | None) -> None:
         """Refuse, naming the key, what ``trainer.world_size`` > 1 does not support yet: an
-        ensemble of critics or a head critic, LoRA, several minibatches, proximal strategies that
-        keep model copies (:func:`conveyor.config.data_parallel_unsupported`)."""
+        ensemble of critics or a head critic, several minibatches, proximal strategies that keep
+        model copies (:func:`conveyor.config.data_parallel_unsupported`; LoRA is supported).
+
+        Raises:
+            ConfigError: one of the above, naming every offending key."""
         bad = data_parallel_unsupported(tc, lc, pc, lora_cfg, critic_cfg)
         if bad:
             raise ConfigError("trainer.world_size > 1 (FSDP2 data parallelism) does not support: " + "; ".join(bad))
@@ -490,7 +493,6 @@ class Trainer:
             return self._twin_lora.inference_model() if self.lora is not None else copy.deepcopy(twin)
         return self.lora.inference_model() if self.lora is not None else self.model
 
-    @dp_lib.collective()
     def save_adapter(self, directory: str | Path) -> Path | None:
         """With LoRA: the adapter as peft writes it (``adapter_config.json``,
         ``adapter_model.safetensors``; :meth:`conveyor.trainer.lora.LoraPolicy.save_adapter`),
@@ -501,8 +503,13 @@ class Trainer:
         Raises:
             ValueError: the policy has no LoRA adapters (``lora.enabled=false``).
         """
-        if self.lora is None:
+        if self.lora is None:  # checked before the collective: the followers are never told
             raise ValueError("save_adapter: the policy is fully fine-tuned (lora.enabled=false), it has no adapter")
+        return self._save_adapter(directory)
+
+    @dp_lib.collective()
+    def _save_adapter(self, directory: str | Path) -> Path | None:
+        """:meth:`save_adapter` once LoRA is known to be on (collective with data parallelism)."""
         if self.dp is None:
             return self.lora.save_adapter(directory)
         if self._unsharded_policy() is None:
@@ -1218,7 +1225,9 @@ class Trainer:
 
     @dp_lib.collective(light=lambda a, k: ((_light_state(a[0]),), k))
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` output.
+        """Restore :meth:`state_dict` output. With data parallelism torch's distributed
+        state-dict loaders turn ``state``'s tensors into shards in place: pass a copy where the
+        dict is used again.
 
         Raises:
             ValueError: a LoRA checkpoint into a fully fine-tuned policy or the reverse, or an
@@ -1234,8 +1243,9 @@ class Trainer:
             if self.dp.leader:
                 try:
                     self.lora.check_adapter_state(state["model"])
-                except ValueError as e:
-                    refused = e
+                except Exception as e:  # noqa: BLE001 - any failure must reach the followers too
+                    refused = e if isinstance(e, ValueError) else ValueError(
+                        f"the checkpoint's LoRA adapter cannot be read ({type(e).__name__}: {e})")
             if not dp_lib.all_true(refused is None):  # every process refuses together
                 raise refused or ValueError("the checkpoint's LoRA adapter does not fit this policy (rank 0's "
                                             "error says why)")

@@ -462,7 +462,8 @@ class InferenceEngine:
             (s copying keys / values to admit prefilled requests into the running batch; not
             part of ``busy_seconds``), ``prefill_profile`` (``{"reencode" | "admit" |
             "prefix_hit": [forward passes, rows, padded tokens, seconds]}``: re-encodes after
-            weight updates, admissions that missed the prefix cache, admissions that hit it),
+            weight updates, admissions that missed the prefix cache, admissions that hit it with
+            more than one token left; joined hits run no pass and are not counted here),
             ``prefix_cache_tokens`` (held now) and ``decode_profile`` (``{batch size: [decode steps,
             seconds]}``, seconds of the decode forward passes, used with ``sample_seconds`` to
             calibrate ``conveyor simulate``).
