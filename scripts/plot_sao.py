@@ -66,15 +66,21 @@ def main(argv: list[str] | None = None) -> None:
     runs = a.runs or sorted(p for p in (ROOT / "docs/results/runs/sao").iterdir() if (p / "config.json").is_file())
     data = [load(r) for r in runs]
     fig, ax = plt.subplots(1, 3, figsize=(16, 4.5))
+    # one colour per method (the run name without its _sN seed suffix), one line style per seed
+    methods = sorted({d["name"].rsplit("_s", 1)[0] for d in data})
+    styles = ["-", "--", ":", "-."]
     for d in data:
+        method, _, seed = d["name"].rpartition("_s")
+        look = {"color": f"C{methods.index(method or d['name']) % 10}",
+                "linestyle": styles[int(seed) % len(styles)] if seed.isdigit() else "-"}
         xs = [(d["n_warm"] + m["step"]) * d["per_step"] for m in d["metrics"]]
-        ax[0].plot(xs, smooth([m["reward/mean"] for m in d["metrics"]]), label=d["name"])
+        ax[0].plot(xs, smooth([m["reward/mean"] for m in d["metrics"]]), label=d["name"], **look)
         ex = [x for x, _, _ in d["evals"]]
-        ax[1].plot(ex, [p for _, _, p in d["evals"]], marker="o", label=d["name"])
+        ax[1].plot(ex, [p for _, _, p in d["evals"]], marker="o", label=d["name"], **look)
         if d["warm"] or any("critic/value_loss" in m for m in d["metrics"]):
             steps = [w["step"] for w in d["warm"]] + [m["step"] for m in d["metrics"]]
             vl = [w.get("critic/value_loss") for w in d["warm"]] + [m.get("critic/value_loss") for m in d["metrics"]]
-            ax[2].plot(steps, vl, label=f"{d['name']} value loss")
+            ax[2].plot(steps, vl, label=f"{d['name']} value loss", **look)
     ax[0].set_title("training reward (mean of 5 steps)")
     ax[1].set_title("held-out MAWPS pass@1 (greedy, 110 problems)")
     for x in ax[:2]:
