@@ -576,8 +576,15 @@ def test_interruptible_update_versions_and_logprobs(ref, paused):
 
     async def run():
         longs = [asyncio.ensure_future(eng.generate(p, long_params)) for p in prompts[:3]]
+        # the long requests decode before `short` is submitted (awaiting `generate` directly would
+        # submit `short` first, and on a loaded machine the longs could join several steps later)
+        deadline = time.monotonic() + 60
+        while eng.stats()["running"] < 3:
+            assert time.monotonic() < deadline, "the long requests never started decoding"
+            await asyncio.sleep(0.001)
         short = await eng.generate(prompts[3], SamplingParams(max_new_tokens=5, temperature=1.0))
-        # `short` finished after 5 steps, so every long request is in flight with 55 tokens to go
+        # `short` finished after 5 steps, so every long request is in flight with >= 5 tokens
+        # generated and at most 55 to go
         if paused:
             eng.pause()
             before = eng.stats()["generated_tokens"]
@@ -594,7 +601,7 @@ def test_interruptible_update_versions_and_logprobs(ref, paused):
     for out in longs:
         assert len(out.token_ids) == 60 and out.num_interruptions == 1
         cut = out.versions.index(1)
-        assert 3 <= cut < 60 and out.versions == [0] * cut + [1] * (60 - cut)
+        assert 5 <= cut < 60 and out.versions == [0] * cut + [1] * (60 - cut)
         lp = torch.tensor(out.logprobs)
         old_lp = recomputed_logprobs(old_model, out)
         new_lp = recomputed_logprobs(new_model, out)
