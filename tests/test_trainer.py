@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from engine_helpers import until_decoding
 
 from conveyor.config import LossConfig, TrainerConfig
 from conveyor.trainer.batch import pack, plan_micro_batches
@@ -276,6 +277,7 @@ def test_engine_logprobs_match_trainer_recompute_across_an_update(tiny):
 
     async def run():
         longs = [asyncio.ensure_future(eng.generate(p, params)) for p in prompts]
+        await until_decoding(eng, len(prompts))  # (else the awaited short request is submitted first)
         await eng.generate([1, 42], SamplingParams(max_new_tokens=4, temperature=0.7))
         await asyncio.to_thread(eng.update_weights, WeightUpdate.from_model(new, version=1))
         return await asyncio.gather(*longs)

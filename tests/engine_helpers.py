@@ -1,0 +1,16 @@
+"""Helpers shared by the engine and trainer tests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+
+async def until_decoding(eng, n: int, timeout_s: float = 60.0) -> None:
+    """Wait until ``n`` requests are in ``eng``'s decode batch. Requests started with
+    ``ensure_future`` before ``await eng.generate(other)`` are submitted after ``other`` (the
+    awaited coroutine runs first), and on a loaded machine they can join several steps later."""
+    deadline = time.monotonic() + timeout_s
+    while eng.stats()["running"] < n:
+        assert time.monotonic() < deadline, f"{n} requests never started decoding"
+        await asyncio.sleep(0.001)
