@@ -50,7 +50,9 @@ def _side(model, tok, workflow, samples, cache_tokens: int, threads: int) -> tup
         "prefix_cache_tokens": cache_tokens, "wall_s": wall, "engine_busy_s": st["busy_seconds"],
         "prefill_s": st["prefill_seconds"], "prefill_tokens": st["prefill_tokens"],
         "prefill_dedup_tokens": st["prefill_dedup_tokens"], "prefix_cache_hits": st["prefix_cache_hits"],
-        "prefix_cache_hit_tokens": st["prefix_cache_hit_tokens"], "engine_requests": st["num_requests"],
+        "prefix_cache_hit_tokens": st["prefix_cache_hit_tokens"],
+        # hits with one prompt token left: that token ran in a decode step (no prefill, no hit token)
+        "prefix_hits_joined": st["prefix_hits_joined"], "engine_requests": st["num_requests"],
         "generated_tokens": st["generated_tokens"], "trajectories": len(trajs),
         # responses with at least one calculator result inserted (a second engine request or more)
         "trajectories_with_tool_results": sum(1 for t in trajs if t.action_mask and not all(t.action_mask)),

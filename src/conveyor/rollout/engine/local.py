@@ -456,7 +456,8 @@ class InferenceEngine:
             ``thread_changes`` (:meth:`set_num_threads` changes applied), ``prefix_cache_hits``,
             ``prefix_cache_hit_tokens`` (prompt tokens the prefix cache saved from the model),
             ``prefix_hits_joined`` (hits with one token left: they joined the running batch and
-            the next decode step ran that token, no prefill pass of their own),
+            the next decode step ran that token, no prefill pass of their own; that token is
+            counted in neither ``prefill_tokens`` nor ``prefix_cache_hit_tokens``),
             ``prefill_dedup_tokens`` (tokens of identical prompts admitted together, prefilled
             once), ``prefill_forwards`` (prefill and re-encode forward passes), ``merge_seconds``
             (s copying keys / values to admit prefilled requests into the running batch; not
