@@ -67,11 +67,12 @@ def main(argv: list[str] | None = None) -> None:
     data = [load(r) for r in runs]
     fig, ax = plt.subplots(1, 3, figsize=(16, 4.5))
     # one colour per method (the run name without its _sN seed suffix), one line style per seed
-    methods = sorted({d["name"].rsplit("_s", 1)[0] for d in data})
+    split = {d["name"]: d["name"].rsplit("_s", 1) for d in data}  # [method, seed] or [name]
+    methods = sorted({parts[0] for parts in split.values()})
     styles = ["-", "--", ":", "-."]
     for d in data:
-        method, _, seed = d["name"].rpartition("_s")
-        look = {"color": f"C{methods.index(method or d['name']) % 10}",
+        method, seed = (split[d["name"]] + [""])[:2]
+        look = {"color": f"C{methods.index(method) % 10}",
                 "linestyle": styles[int(seed) % len(styles)] if seed.isdigit() else "-"}
         xs = [(d["n_warm"] + m["step"]) * d["per_step"] for m in d["metrics"]]
         ax[0].plot(xs, smooth([m["reward/mean"] for m in d["metrics"]]), label=d["name"], **look)
