@@ -7,6 +7,10 @@
 # were made with the plain hand-out (async.wait_for_expiring=false, the default then): pinned so that
 # new runs stay comparable.
 #   bash scripts/sao_experiments.sh "0 1" "sao grpo grpo_dis"      # seeds, presets
+#   bash scripts/sao_experiments.sh 1 sao reward.overlong=soft     # extra overrides (name the run dir)
+# CONVEYOR_SRC=DIR imports conveyor from a pinned checkout DIR (git worktree add --detach DIR REV) and
+# records its commit in the run dir (conveyor_commit.txt).
+#   LABEL=abl-k1 bash scripts/sao_experiments.sh 0 sao critic.updates_per_step=1   # run dir sao_abl-k1_s0
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SEEDS=${1:-"0 1"}
@@ -18,14 +22,17 @@ for seed in $SEEDS; do
   for p in $PRESETS; do
     steps=50
     case $p in sao|vapo_nodis) steps=40 ;; esac
-    dir="$OUT/${p}${EXTRA:+_$(echo "$EXTRA" | tr ' =.' '_-')}_s${seed}"
+    suffix=${LABEL:-$(echo "$EXTRA" | tr ' =.' '_-')}
+    dir="$OUT/${p}${suffix:+_$suffix}_s${seed}"
     [ -f "$dir/summary.json" ] && { echo "skip $dir (done)"; continue; }
     rm -rf "$dir"
+    git -C "${CONVEYOR_SRC:-.}" rev-parse HEAD > "$dir.commit"
     echo "== $p seed $seed -> $dir ($(date -u +%H:%M:%S))"
-    .venv/bin/conveyor train "configs/$p.yaml" trainer.total_steps=$steps run.seed=$seed data.shuffle_seed=$seed \
+    PYTHONPATH=${CONVEYOR_SRC:+$CONVEYOR_SRC/src}${PYTHONPATH:+:$PYTHONPATH} .venv/bin/conveyor train "configs/$p.yaml" trainer.total_steps=$steps run.seed=$seed data.shuffle_seed=$seed \
       run.eval_every=10 run.checkpoint_every=1000 run.final_checkpoint=none run.export=false run.progress=false \
       async.wait_for_expiring=false run.dir="$dir" $EXTRA > "$dir.log" 2>&1 || echo "FAILED $p seed $seed (see $dir.log)"
     rm -rf "$dir/checkpoints"
     mv "$dir.log" "$dir/console.log" 2>/dev/null || true
+    mv "$dir.commit" "$dir/conveyor_commit.txt" 2>/dev/null || true
   done
 done
