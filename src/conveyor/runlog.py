@@ -640,8 +640,9 @@ def _legend(ax, **kw) -> None:
 
 def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str = "") -> Path:
     """Draw reward / accuracy / staleness / throughput curves of a run into ``report.png``
-    (written atomically); with a critic also its value loss, explained variance and gradient
-    norms per block kind (warm-up included); the run monitor's alerts as marked versions and an
+    (written atomically); with a critic also its value loss, explained variance, the correlation
+    of response length with summed advantage and the gradient norms per block kind (warm-up
+    included); the run monitor's alerts as marked versions and an
     adaptive eta as a step line.
 
     Returns:
@@ -747,6 +748,9 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
             xs, ys = series(key, both)
             if ys:
                 ax.plot(xs, ys, label=label)
+        xs, ys = series("advantage/length_corr")  # > 0: longer responses pushed up more (trainer/credit.py)
+        if ys:
+            ax.plot(xs, smooth(ys), ls="--", label="corr(length, summed advantage)")
         ax.axvline(0.5, color="gray", lw=0.8, ls=":")
         ax.set_title("critic (steps <= 0: warm-up)")
         ax.set_xlabel("step")

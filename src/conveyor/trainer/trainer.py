@@ -34,6 +34,7 @@ from conveyor.memory import release_free_memory, set_malloc_mmap_threshold
 from conveyor.sync import WeightUpdate
 from conveyor.trainer import advantages as adv_lib
 from conveyor.trainer import corrections as corr_lib
+from conveyor.trainer import credit as credit_lib
 from conveyor.trainer import critic as critic_lib
 from conveyor.trainer import distributed as dp_lib
 from conveyor.trainer import ensemble as ensemble_lib
@@ -102,6 +103,21 @@ def staleness_metrics(trajectories: list[Trajectory], version: int) -> dict[str,
         "staleness/mean": sum(lags) / len(lags),
         "staleness/multi_version_share": sum(t.num_versions > 1 for t in trajectories) / len(trajectories),
     }
+
+
+def _response_layout(mb: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """Where a packed micro-batch's response tokens go in a ``[S, T]`` layout (one row per
+    trajectory of ``mb.indices``, response token ``k`` in column ``k``).
+
+    Returns:
+        ``(pos, s_idx, k_idx, S, T)``: flat positions of ``mb``'s ``[R, L]`` tensors that hold a
+        response token, their row and column, the rows (trajectories) and columns (the longest
+        response, at least 1).
+    """
+    pos = (mb.response_index >= 0).reshape(-1).nonzero().squeeze(-1)
+    s_idx = mb.seq_index.reshape(-1)[pos]
+    k_idx = mb.response_index.reshape(-1)[pos]
+    return pos, s_idx, k_idx, len(mb.indices), int(k_idx.max()) + 1 if k_idx.numel() else 1
 
 
 @dataclass
@@ -732,11 +748,7 @@ class Trainer:
         cc = self.critic_cfg
         seq_adv = torch.zeros(len(batch.trajectories))
         for j, mb in enumerate(batch.micro_batches):
-            pos = (mb.response_index >= 0).reshape(-1).nonzero().squeeze(-1)
-            s_idx = mb.seq_index.reshape(-1)[pos]
-            k_idx = mb.response_index.reshape(-1)[pos]
-            S = len(mb.indices)
-            T = int(k_idx.max()) + 1 if k_idx.numel() else 1
+            pos, s_idx, k_idx, S, T = _response_layout(mb)
             action = torch.zeros(S, T)
             action[s_idx, k_idx] = mb.mask.reshape(-1)[pos]
             valid = torch.zeros(S, T)
@@ -1109,9 +1121,10 @@ class Trainer:
                 ent_sum += float((scores.entropy[j] * mb.mask).sum())
         outputs, extra, kl_sum = update.outputs, update.extra, update.kl_sum
         adv_sum = float(sum(float(mb.advantages.sum()) for mb in mbs))  # padding copies: advantages 0
+        credit = self._credit(batch)
         if self.dp is not None:  # the whole batch's figures: every process's share combined
-            shares = dp_lib.all_gather((n_tok, ent_sum, kl_sum, adv_sum, outputs, extra), self.dp.world_size)
-            n_tok, ent_sum, kl_sum, adv_sum = (sum(s[i] for s in shares) for i in range(4))
+            shares = dp_lib.all_gather((n_tok, ent_sum, kl_sum, adv_sum, outputs, extra, credit), self.dp.world_size)
+            n_tok, ent_sum, kl_sum, adv_sum, credit = (sum(s[i] for s in shares) for i in (0, 1, 2, 3, 6))
             outputs = [o for s in shares for o in s[4]]
             extra = {}
             for s in shares:
@@ -1138,9 +1151,26 @@ class Trainer:
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std(unbiased=False)),
         })
+        metrics.update(credit_lib.credit_metrics(credit, rewards))
         for k, v in extra.items():
             metrics[k] = sum(v) / len(v)
         return metrics
+
+    @staticmethod
+    def _credit(batch: StepBatch) -> torch.Tensor:
+        """``[N, 4]`` per-trajectory credit of the advantages the loss used (after whitening and
+        masking; :func:`conveyor.trainer.credit.per_response_credit`) from this process's
+        micro-batches; zero rows for trajectories it does not hold (padding copies skipped)."""
+        out = torch.zeros(len(batch.trajectories), 4, dtype=torch.float64)
+        for j, mb in enumerate(batch.micro_batches):
+            if (batch.padded and batch.padded[j]) or mb.response_index is None or mb.advantages is None:
+                continue
+            pos, s_idx, k_idx, S, T = _response_layout(mb)
+            adv, action = torch.zeros(S, T), torch.zeros(S, T)
+            adv[s_idx, k_idx] = mb.advantages.reshape(-1)[pos].float()
+            action[s_idx, k_idx] = mb.mask.reshape(-1)[pos].float()
+            out[torch.tensor(mb.indices, dtype=torch.long)] += credit_lib.per_response_credit(adv, action)
+        return out
 
     # ------------------------------------------------------------------ checkpointing
     @dp_lib.collective()
