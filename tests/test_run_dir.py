@@ -622,3 +622,61 @@ def test_a_run_dir_holding_other_files_is_refused(tmp_path, monkeypatch):
     (empty / "config.json").write_text("{}")
     check_new_run_dir(empty)  # a process that stopped before its logs: used again
     check_new_run_dir(tmp_path / "new")  # not there yet
+
+
+# ---------------------------------------------------------------------- reward functions
+def test_reward_fn_with_a_wrong_signature_is_refused_before_the_run_dir(tmp_path, monkeypatch):
+    """A one-argument reward function would fail every reward of the run: refused at start,
+    naming reward.fn and the signature; no run directory."""
+    (tmp_path / "myrewards_sig.py").write_text("def one_arg(response):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(None, FAST + ["reward.fn=myrewards_sig:one_arg", f"run.dir={tmp_path / 'r'}", "data.heldout="])
+    with pytest.raises(ValueError, match=r"reward.fn='myrewards_sig:one_arg': one_arg\(response\) cannot be called "
+                                         r"as fn\(response: str, sample"):
+        run_training(cfg)
+    assert not (tmp_path / "r").exists()
+
+
+def test_check_reward_signature_cases():
+    from conveyor.rewards import check_reward_signature
+
+    def two(response, sample):
+        return 0.0
+
+    def extra_default(response, sample, scale=1.0):
+        return 0.0
+
+    def star(*args):
+        return 0.0
+
+    for ok in (two, extra_default, star, lambda r, s: 0.0):
+        check_reward_signature(ok, "x")
+    for bad in (lambda r: 0.0, lambda r, s, needed: 0.0, lambda *, r, s: 0.0):
+        with pytest.raises(ValueError, match="reward.fn='x'"):
+            check_reward_signature(bad, "x")
+
+
+def test_a_module_level_lambda_and_closure_train_as_reward_functions(tmp_path):
+    """The reward workers import reward.fn by its path, so a module-level lambda or a factory's
+    closure (unpicklable) works; it used to be refused after the run directory was made."""
+    mod = tmp_path / "rewmods"
+    mod.mkdir()
+    (mod / "myrewards_closure.py").write_text(
+        "lam = lambda response, sample: float(len(response) % 2)\n"
+        "def factory():\n"
+        "    def inner(response, sample):\n"
+        "        return 1.0\n"
+        "    return inner\n"
+        "inner_fn = factory()\n")
+    env = {**os.environ, "PYTHONPATH": f"{mod}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for name in ("lam", "inner_fn"):
+        run = tmp_path / name
+        out = subprocess.run(
+            [sys.executable, "-m", "conveyor.cli", "train", *FAST, "trainer.total_steps=1", "data.heldout=",
+             f"reward.fn=myrewards_closure:{name}", f"run.dir={run}"],
+            capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        assert len(rows) == 1 and rows[0]["rollout/reward_failures"] == 0, rows
+        if name == "inner_fn":
+            assert rows[0]["reward/mean"] == 1.0

@@ -39,7 +39,7 @@ from conveyor.config import TrainConfig, load_config
 from conveyor.data import load_dataset
 from conveyor.hardware import resolve_bf16
 from conveyor.models import load_model, load_model_config, load_tokenizer
-from conveyor.rewards import load_reward_fn
+from conveyor.rewards import check_reward_signature, load_reward_fn
 from conveyor.rundir import (
     RunContext,
     TrainResult,
@@ -201,7 +201,7 @@ class _Job:
 
     trainer: Trainer
     tokenizer: object
-    reward_fn: object
+    reward_fn: str  # reward.fn: what the reward workers load
     train_samples: list
     heldout: list
     n_too_long: int
@@ -219,7 +219,11 @@ def _load_job(cfg: TrainConfig, start: _Start, console, ctx: RunContext) -> _Job
     random.seed(cfg.run.seed)
     engine_threads, trainer_threads = resolve_threads(cfg)
     torch.set_num_threads(trainer_threads)
-    reward_fn = load_reward_fn(cfg.reward.fn)
+    # imported and its signature checked here (a typo fails before anything is written); the
+    # reward workers load it by its import path, so any module-level callable works (a
+    # lambda or a factory's closure too: nothing is pickled)
+    check_reward_signature(load_reward_fn(cfg.reward.fn), cfg.reward.fn)
+    reward_fn = cfg.reward.fn
     train_samples = load_dataset(cfg.data.train, split_seed=cfg.data.split_seed)
     heldout = load_dataset(cfg.data.heldout, split_seed=cfg.data.split_seed, limit=cfg.data.heldout_limit) if cfg.data.heldout else []
     trainer_actor = cfg.runtime.name == "ray" and cfg.runtime.trainer == "actor"

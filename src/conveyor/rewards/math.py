@@ -105,6 +105,7 @@ is linear-time regular expressions on at most the response's length.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import math
 import re
@@ -1261,3 +1262,32 @@ def load_reward_fn(path: str) -> RewardFn:
             f"reward function {path!r}: {attr_path!r} is a {type(obj).__name__}, not callable"
         )
     return obj
+
+
+def check_reward_signature(fn: Any, path: str) -> None:
+    """Refuse a reward function that cannot be called as ``fn(response, sample)``.
+
+    Checked once at start (``inspect.signature(fn).bind``), so a wrong signature is a clear
+    error instead of every reward of the run failing. Callables whose signature Python cannot
+    read (some C functions) pass unchecked.
+
+    Args:
+        fn: The callable :func:`load_reward_fn` returned.
+        path: Its name or import path, for the message (``reward.fn``).
+
+    Raises:
+        ValueError: ``fn`` does not accept two positional arguments (response, sample); the
+            message names ``reward.fn`` and the signature.
+    """
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind("response", "sample")
+    except TypeError as exc:
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        raise ValueError(
+            f"reward.fn={path!r}: {name}{sig} cannot be called as fn(response: str, sample: "
+            f"conveyor.types.Sample) -> float ({exc})"
+        ) from exc

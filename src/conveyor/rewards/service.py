@@ -709,7 +709,7 @@ def _payload(spec: RewardFn | str, fn: RewardFn, what: str) -> bytes | str:
         raise TypeError(
             f"{what} {name!r} cannot be pickled for the process backend "
             f"({_describe(exc)}); use a module-level function, an import path "
-            "string, or backend='thread'"
+            "string, or RewardService(..., backend='thread')"
         ) from exc
 
 

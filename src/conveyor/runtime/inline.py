@@ -253,6 +253,8 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
     registered on ``ctx`` to be stopped however the run ends.
 
     Args:
+        reward_fn: What the reward workers run: ``reward.fn``'s name or import path (loaded in
+            each worker, so nothing is pickled), or a picklable callable.
         n_too_long: Prompts dropped up front by the preflight (the controller's counter).
         state: The checkpoint's ``state.pt`` contents when resuming.
     """

@@ -291,7 +291,7 @@ class RolloutActor:
             model that is not there, an engine actor that cannot start), raised in the driver as
             :class:`RolloutActorError`.
         """
-        from conveyor.rewards import RewardService, load_reward_fn
+        from conveyor.rewards import RewardService
         from conveyor.rewards.styles import service_metrics
         from conveyor.rollout.buffer import TrajectoryBuffer
         from conveyor.rollout.controller import DataStream, RolloutController
@@ -308,7 +308,7 @@ class RolloutActor:
             weights_ref = weights[0]
             weights = ray.get(weights_ref)
         version = weights.version
-        reward_fn = load_reward_fn(cfg.reward.fn)
+        reward_fn = cfg.reward.fn  # the workers import it by path (checked by the driver; nothing pickled)
         n = cfg.rollout.num_engines
         engine0, self.tokenizer, model_s = build_local_engine(cfg, weights, seed_index=0,
                                                               engine_threads=engine_threads,
