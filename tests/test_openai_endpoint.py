@@ -537,3 +537,57 @@ def test_example_agent_trains_and_evaluates(tmp_path, monkeypatch):
     got = _json.loads(out.read_text())
     assert got["env"] == "openai:mawps_agent:solve_sync" and got["num_problems"] == 2
     assert got["dataset"].startswith("mawps") and endpoint_threads() == before
+
+
+AGENT_FAST = ["model.name=tiny", "trainer.batch_size=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
+              "run.progress=false", "reward.workers=1", "trainer.total_steps=1", "run.export=false",
+              "run.eval_before=false", "run.eval_after=false", "data.heldout="]
+
+
+def test_an_agents_check_options_refuses_bad_values_before_the_run_dir(tmp_path, monkeypatch):
+    """The example agent's check_options (called once at start by check_agent): an unknown tool
+    and max_calls=0 are start-up errors naming env.options and the agent's reason; no run dir.
+    A hook raising TypeError counts too; options the signature refuses are refused first."""
+    from conveyor.config import load_config
+    from conveyor.rollout.openai_agent import check_agent
+    from conveyor.train import run_training
+
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    for opt, why in (("env.options.tool=bogus", r"tool='bogus': unknown tool 'bogus'"),
+                     ("env.options.max_calls=0", "max_calls must be an int >= 1, got 0")):
+        cfg = load_config(None, AGENT_FAST + ["env.name=openai:mawps_agent:solve", opt, f"run.dir={tmp_path / 'r'}"])
+        with pytest.raises(ValueError, match=r"env.options \{.*\}: env.name=openai:mawps_agent:solve refuses them: "
+                                             + why):
+            run_training(cfg)
+        assert not (tmp_path / "r").exists()
+
+    def agent(run, *, n=1):
+        return None
+
+    def strict(*, n=1):
+        if n > 2:
+            raise TypeError("n must be at most 2")
+
+    agent.check_options = strict
+    check_agent(agent, {"n": 2}, "openai:m:agent")
+    with pytest.raises(ValueError, match=r"refuses them: n must be at most 2"):
+        check_agent(agent, {"n": 3}, "openai:m:agent")
+    with pytest.raises(ValueError, match=r"do not fit env.name=openai:m:agent"):
+        check_agent(agent, {"m": 1}, "openai:m:agent")
+
+
+def test_an_agent_whose_every_episode_fails_stops_with_a_clear_message(tmp_path, monkeypatch):
+    """100 failed episodes in a row stop the run: `conveyor train` prints the last error and where
+    the tracebacks are, exit code 1, no traceback on the console."""
+    from typer.testing import CliRunner
+
+    from conveyor.cli import app
+
+    (tmp_path / "broken_agent.py").write_text("def solve(run):\n    raise RuntimeError('the agent is broken')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    r = CliRunner().invoke(app, ["train", *AGENT_FAST, "env.name=openai:broken_agent:solve",
+                                 f"run.dir={tmp_path / 'r'}"])
+    assert r.exit_code == 1, r.output
+    assert "episodes in a row failed; the last: RuntimeError: the agent is broken" in r.output
+    assert "train.log" in r.output and "Traceback" not in r.output
+    assert "the agent is broken" in (tmp_path / "r" / "train.log").read_text()

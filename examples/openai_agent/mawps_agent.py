@@ -15,6 +15,8 @@ OpenAI-compatible endpoint and trains on exactly the tokens the model generated
 
 Options (``env.options.*`` / ``--env-option``): ``tool`` (``calculator``, the default; ``python``,
 conveyor's bubblewrap sandbox; ``none``), ``max_calls`` (model calls per question, default 3).
+An unknown tool, ``tool=python`` without a working sandbox or a bad ``max_calls`` is refused at
+start-up (``check_options``, which conveyor calls once before the run).
 ``solve_sync`` is the same agent with the synchronous client (conveyor runs it in a worker thread;
 it names its session with the ``X-Session-Id`` header instead of the URL).
 """
@@ -25,6 +27,7 @@ import asyncio
 
 from openai import AsyncOpenAI, OpenAI
 
+from conveyor.envs.sandbox import SandboxUnavailable, check_sandbox
 from conveyor.envs.tools import ToolRegistry, make_tool
 
 _REGISTRIES: dict[str, ToolRegistry] = {}  # one tool object per process (the sandbox's concurrency limit)
@@ -81,3 +84,32 @@ def solve_sync(run, *, tool: str = "calculator", max_calls: int = 3):
                 result = asyncio.run(registry.call(call.function.name, call.function.arguments))
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result.observation})
     return run.grade_sync(answer)
+
+
+def check_options(*, tool: str = "calculator", max_calls: int = 3) -> None:
+    """Refuse options :func:`solve` cannot work with; conveyor calls this once at start-up (the
+    agent's ``check_options`` attribute, ``conveyor.rollout.openai_agent.check_agent``), so a typo
+    is an error before the run begins instead of every episode failing.
+
+    Raises:
+        ValueError: ``max_calls`` is not an int >= 1; ``tool`` is not ``none`` nor a tool conveyor
+            can build (``conveyor.envs.tools.make_tool``); ``tool=python`` where the sandbox cannot
+            run (e.g. bubblewrap missing: the install advice).
+    """
+    if isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1:
+        raise ValueError(f"max_calls must be an int >= 1, got {max_calls!r}")
+    if tool == "none":
+        return
+    try:
+        make_tool(tool)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"tool={tool!r}: {exc} (or none)") from exc
+    if tool == "python":
+        try:
+            asyncio.run(check_sandbox())
+        except SandboxUnavailable as exc:
+            raise ValueError(f"tool=python needs the Python sandbox: {exc}") from exc
+
+
+solve.check_options = check_options
+solve_sync.check_options = check_options

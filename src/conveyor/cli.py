@@ -269,6 +269,7 @@ def train_cmd(
     from conveyor.data import DatasetError
     from conveyor.models import ModelLoadError
     from conveyor.runlog import console_log_handler
+    from conveyor.rollout.controller import EpisodesFailedError
     from conveyor.runtime.ray import RolloutActorError  # (imports no Ray)
     from conveyor.runtime_files import RunFileError, describe_os_error, is_disk_full
     from conveyor.shutdown import StopNow
@@ -308,6 +309,9 @@ def train_cmd(
         _fail(f"{e}\nThe last state was checkpointed; see events.jsonl in the run directory.", code=1)
     except RolloutActorError as e:  # runtime.name=ray: the actor's message (its log: train.log)
         _fail(f"{e}\nSee train.log and events.jsonl in the run directory.", code=1)
+    except EpisodesFailedError as e:  # a broken environment / agent (its options): checkpointed first
+        _fail(f"{e}\nEvery episode's traceback is in train.log in the run directory; fix the cause and "
+              "start again (or continue with conveyor train --resume RUN_DIR).", code=1)
     except (ValueError, ImportError, AttributeError, TypeError) as e:
         # bad reward.fn path, incompatible resume, Ray missing for runtime.name=ray, wandb
         # missing for log.wandb=true

@@ -30,6 +30,12 @@ from conveyor.types import Sample, Trajectory
 log = logging.getLogger(__name__)
 
 
+class EpisodesFailedError(RuntimeError):
+    """``max_failed_in_a_row`` episodes in a row raised (a broken environment, agent or its
+    options): the controller stops and the runtime raises this, with the last episode's error;
+    every episode's traceback is in the run's ``train.log``."""
+
+
 class DataStream:
     """Endless, seeded pass over a data set: each epoch is a fresh permutation.
 
@@ -510,7 +516,7 @@ class RolloutController:
                                      "error": self.stats.last_error[:200]})
             self.staleness.on_reject(G)
             if self._failed_in_a_row >= self.max_failed_in_a_row and self.error is None:
-                self.error = RuntimeError(f"{self._failed_in_a_row} episodes in a row failed; the "
+                self.error = EpisodesFailedError(f"{self._failed_in_a_row} episodes in a row failed; the "
                                           f"last: {self.stats.last_error} (tracebacks in train.log)")
                 self._stop.set()
             self._poke()

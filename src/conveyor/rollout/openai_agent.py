@@ -203,20 +203,32 @@ def load_agent(spec: str) -> Callable[..., Any]:
 
 def check_agent(fn: Callable[..., Any], options: dict[str, Any], spec: str) -> None:
     """Refuse ``env.options`` the agent function does not take (it is called ``fn(run,
-    **options)``).
+    **options)``), and those its own check refuses: an agent function may carry a
+    ``check_options`` attribute, a callable taking the same keyword options that raises
+    ``ValueError`` / ``TypeError`` for values it cannot work with (an unknown tool name, a tool
+    this machine cannot run); it is called once here, before the run directory is made, so a
+    bad value is a start-up error rather than every episode failing.
 
     Raises:
-        ValueError: the options do not bind (the message names them).
+        ValueError: the options do not bind, or ``check_options`` refused them (the message
+            names them and the agent's reason).
     """
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
-        return
-    try:
-        sig.bind(None, **options)
-    except TypeError as exc:
-        raise ValueError(f"env.options {options} do not fit env.name={spec} (called as fn(run, **env.options)): "
-                         f"{exc}") from exc
+        sig = None
+    if sig is not None:
+        try:
+            sig.bind(None, **options)
+        except TypeError as exc:
+            raise ValueError(f"env.options {options} do not fit env.name={spec} (called as fn(run, "
+                             f"**env.options)): {exc}") from exc
+    check = getattr(fn, "check_options", None)
+    if callable(check):
+        try:
+            check(**options)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"env.options {options}: env.name={spec} refuses them: {exc}") from exc
 
 
 def _is_async(fn: Callable) -> bool:

@@ -35,7 +35,7 @@ from conveyor.rewards import RewardService
 from conveyor.rewards.styles import service_metrics
 from conveyor.rollout.adaptive import AsyncRatioController
 from conveyor.rollout.buffer import TrajectoryBuffer
-from conveyor.rollout.controller import DataStream, RolloutController
+from conveyor.rollout.controller import DataStream, EpisodesFailedError, RolloutController
 from conveyor.rollout.engine import InferenceEngine, SamplingParams
 from conveyor.rollout.engine.router import EngineRouter, engine_seed
 from conveyor.rollout.staleness import StalenessManager
@@ -384,8 +384,8 @@ class LoopResult:
 
 def _health(controller):
     def health():
-        if isinstance(controller.error, DatasetError):  # e.g. every prompt too long: a clear error
-            raise controller.error
+        if isinstance(controller.error, DatasetError | EpisodesFailedError):  # e.g. every prompt too long, a
+            raise controller.error                                                # broken environment: clear errors
         if controller.error is not None:
             raise RuntimeError(f"rollout controller crashed: {controller.error!r}") from controller.error
     return health
