@@ -239,6 +239,45 @@ def test_resume_of_a_finished_run_changes_nothing_and_heldout_settings_are_fixed
         )
 
 
+def test_resume_to_train_longer_moves_the_old_eval_after_aside_and_refuses_fixed_changes(tmp_path):
+    """A finished run resumed with more steps: the first process's eval_after.json (version 2)
+    is moved to eval_after.superseded.json with its event superseded, so the run holds one valid
+    "after" evaluation, the new version's. A finished run asked for a change it cannot take is
+    refused even when there is nothing to train (it used to print "nothing changed")."""
+    run = tmp_path / "r"
+    cfg = load_config(None, FAST + ["trainer.total_steps=2", f"run.dir={run}", "data.heldout_limit=2",
+                                    "run.eval_max_new_tokens=4"])
+    run_training(cfg)
+    first_after = json.loads((run / "eval_after.json").read_text())
+    with pytest.raises(ValueError, match=r"model\.name cannot change on resume"):
+        run_training(load_run_config(run, ["model.name=smollm2-135m-instruct"]), resume_dir=run)
+    res = run_training(load_run_config(run, ["trainer.total_steps=3"]), resume_dir=run)
+    assert res.steps == 3
+    assert json.loads((run / "eval_after.superseded.json").read_text()) == first_after
+    after = [e for e in read_jsonl(run / "events.jsonl", include_superseded=True)
+             if e["event"] == "eval" and e["label"] == "after"]
+    assert [e.get("version") for e in after if not e.get("superseded")] == [3]
+    assert [e["superseded"]["moved_to"] for e in after if e.get("superseded")] == ["eval_after.superseded.json"]
+    resume = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "resume"]
+    assert resume[-1]["superseded_files"] == ["eval_after.json -> eval_after.superseded.json"]
+    run_training(load_run_config(run, ["trainer.total_steps=4"]), resume_dir=run)  # a second one: .2
+    assert (run / "eval_after.superseded.2.json").is_file() and (run / "eval_after.json").is_file()
+
+
+def test_a_finished_run_without_a_checkpoint_is_not_silently_trained_again(tmp_path):
+    """run.final_checkpoint=none and no periodic checkpoint: a finished run has nothing to
+    continue from; --resume to train longer is refused with the reason, its logs untouched (it
+    used to start again from version 0, warning that the process had stopped early)."""
+    run = tmp_path / "r"
+    run_training(load_config(None, FAST + ["trainer.total_steps=1", f"run.dir={run}", "data.heldout=",
+                                           "run.final_checkpoint=none"]))
+    logs = {n: (run / n).read_bytes() for n in ("metrics.jsonl", "events.jsonl", "summary.json")}
+    with pytest.raises(FileNotFoundError, match=r"the run finished at version 1 without keeping a checkpoint "
+                                                r"\(run\.final_checkpoint=none, run\.checkpoint_every=\d+\)"):
+        run_training(load_run_config(run, ["trainer.total_steps=2"]), resume_dir=run)
+    assert {n: (run / n).read_bytes() for n in logs} == logs
+
+
 def test_restart_without_a_checkpoint_reuses_eval_before_or_supersedes_its_event(tmp_path):
     """`--resume` of a run with no checkpoint deleted eval_before.json and evaluated again, while
     the first process's eval event stayed valid in events.jsonl: now the same initial policy's

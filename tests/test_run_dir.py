@@ -237,6 +237,12 @@ def test_changed_train_set_with_default_heldout_warns():
         config_warnings(load_config(None, ["data.train=gsm8k:train", "data.heldout=gsm8k:test"]))
         == []
     )
+    # an environment's own default held-out set (guess) with another training set
+    w = config_warnings(load_config(None, ["env.name=guess", "data.train=mawps:singleop:train"]))
+    assert len(w) == 1 and "data.heldout is still env.name=guess's default guess:heldout" in w[0]
+    assert config_warnings(load_config(None, ["env.name=guess", "env.options.high=10"])) == []
+    assert config_warnings(load_config(None, ["env.name=guess", "data.train=guess:train?high=10",
+                                              "env.options.high=10"])) == []
 
 
 # ---------------------------------------------------------------------- lock, signals

@@ -151,6 +151,11 @@ def require_samples(
     raise DatasetError(f"data.train={spec}: the data set has no samples")
 
 
+def _family(spec: str) -> str:
+    """A data spec's source, e.g. ``guess`` of ``guess:train?high=10``, ``mawps`` of ``mawps:singleop:train``."""
+    return spec.split("?", 1)[0].split(":", 1)[0]
+
+
 def config_warnings(cfg: TrainConfig) -> list[str]:
     """Warnings about legal settings that are probably mistakes (printed, logged to
     ``train.log`` and recorded as ``events.jsonl`` ``warning`` events by the runtime)."""
@@ -163,6 +168,16 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
             "one trained on; set data.heldout (e.g. the :heldout split of your set) or "
             "data.heldout= (empty) to turn it off"
         )
+    from conveyor.envs.registry import ENV_DATA
+
+    if cfg.env.name in ENV_DATA and cfg.data.heldout:  # e.g. guess: its own sets are the defaults
+        env_train, env_heldout = ENV_DATA[cfg.env.name]
+        if _family(cfg.data.train) != _family(env_train) and _family(cfg.data.heldout) == _family(env_heldout):
+            out.append(
+                f"data.train={cfg.data.train} but data.heldout is still env.name={cfg.env.name}'s default "
+                f"{cfg.data.heldout}: the held-out accuracy measures that set, not the one trained on; set "
+                "data.heldout, or data.heldout= (empty) to turn it off"
+            )
     if cfg.loss.advantage != "gae":
         from conveyor.config import CriticConfig
 

@@ -262,13 +262,27 @@ def finished_result(run_dir: Path, cfg: TrainConfig, console) -> TrainResult | N
 
 def prepare_resume(run_dir: Path, version: int) -> dict:
     """Before a resumed process writes anything: remove what interrupted checkpoint writes left,
-    supersede the log rows written after the checkpoint (:func:`conveyor.runlog.supersede_after`)
-    and drop the stale ``summary.json`` (rewritten at the end). Returns what was done (for the
-    ``resume`` event)."""
+    supersede the log rows written after the checkpoint (:func:`conveyor.runlog.supersede_after`),
+    move an ``eval_after.json`` of an earlier process aside (``eval_after.superseded[.N].json``,
+    its ``eval`` event marked superseded: it measured a policy the resumed run trains past, and
+    ``conveyor inspect`` must not take it for this run's) and drop the stale ``summary.json``
+    (rewritten at the end). Returns what was done (for the ``resume`` event)."""
     cleaned = clean_stale_checkpoint_dirs(run_dir)
     superseded = {k: v for k, v in supersede_after(run_dir, version).items() if v}
+    moved = []
+    after = run_dir / "eval_after.json"
+    if after.is_file():
+        n = 1
+        dest = run_dir / "eval_after.superseded.json"
+        while dest.exists():
+            n += 1
+            dest = run_dir / f"eval_after.superseded.{n}.json"
+        supersede_events(run_dir, lambda row: row.get("event") == "eval" and row.get("label") == "after",
+                         {"resume_from_version": version, "moved_to": dest.name, "time": time.time()})
+        after.rename(dest)
+        moved.append(f"eval_after.json -> {dest.name}")
     (run_dir / "summary.json").unlink(missing_ok=True)
-    return {"cleaned": cleaned, "superseded_rows": superseded}
+    return {"cleaned": cleaned, "superseded_rows": superseded, "superseded_files": moved}
 
 
 def restart_eval_before(run_dir: Path, cfg: TrainConfig) -> str:

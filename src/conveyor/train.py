@@ -174,6 +174,8 @@ def _start_point(cfg: TrainConfig, resume_dir, console, ctx: RunContext) -> _Sta
     if not run_dir.is_dir():
         raise FileNotFoundError(f"--resume {run_dir}: no such run directory")
     ctx.lock(run_dir)  # before reading a checkpoint another process may be writing
+    if (run_dir / "config.json").is_file():  # a change the run cannot take is refused, finished or not
+        check_resume_compatible(run_dir, cfg)
     finished = finished_result(run_dir, cfg, console)
     if finished is not None:
         return finished
@@ -186,13 +188,31 @@ def _start_point(cfg: TrainConfig, resume_dir, console, ctx: RunContext) -> _Sta
     if ckpt is None:
         if not (run_dir / "config.json").is_file():
             raise FileNotFoundError(f"--resume {run_dir}: no finished checkpoint under {run_dir / CHECKPOINTS}")
+        ended = _ended_without_checkpoint(run_dir)
+        if ended is not None:  # finished, nothing kept to continue from: refused, its logs left as they are
+            raise FileNotFoundError(f"--resume {run_dir}: {ended}")
         # stopped before its first checkpoint (e.g. killed in the evaluation before training):
         # nothing to continue from, so the run starts again, in its own directory
         warn(f"{run_dir} has no checkpoint yet (the process stopped before its first one): "
              "starting the run again from version 0 in the same directory")
         restart = True
-    check_resume_compatible(run_dir, cfg)
     return _Start(run_dir, ckpt, restart)
+
+
+def _ended_without_checkpoint(run_dir: Path) -> str | None:
+    """Why a run with no checkpoint cannot be resumed when its process ran to the end
+    (``summary.json``, not interrupted; e.g. ``run.final_checkpoint=none``), else None."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("interrupted"):
+        return None
+    saved = load_config(run_dir / "config.json")
+    return (f"the run finished at version {summary.get('steps')} without keeping a checkpoint "
+            f"(run.final_checkpoint={saved.run.final_checkpoint}, run.checkpoint_every="
+            f"{saved.run.checkpoint_every}), so there is nothing to continue from; start a new run "
+            "(this one is left as it is)")
 
 
 @dataclass
@@ -306,6 +326,8 @@ def _open_logs(cfg: TrainConfig, run_dir: Path, start: _Start, job: _Job, consol
         console.print(f"[bold]resumed[/] {run_dir} at version {trainer.version} from {start.ckpt.name}")
         for line in job.resumed["cleaned"]:
             console.print(f"  removed {line}")
+        for line in job.resumed.get("superseded_files", []):
+            console.print(f"  moved {line} (an evaluation of the process before)")
         if job.resumed["superseded_rows"]:
             console.print(f"  rows logged after {start.ckpt.name} by the interrupted process are "
                           "superseded (moved to *.superseded.jsonl / marked in events.jsonl): "
