@@ -241,7 +241,7 @@ def test_resume_of_a_finished_run_changes_nothing_and_heldout_settings_are_fixed
 
 def test_resume_to_train_longer_moves_the_old_eval_after_aside_and_refuses_fixed_changes(tmp_path):
     """A finished run resumed with more steps: the first process's eval_after.json (version 2)
-    is moved to eval_after.superseded.json with its event superseded, so the run holds one valid
+    is moved to eval_after.json.superseded (no eval_*.json glob takes it) with its event superseded, so the run holds one valid
     "after" evaluation, the new version's. A finished run asked for a change it cannot take is
     refused even when there is nothing to train (it used to print "nothing changed")."""
     run = tmp_path / "r"
@@ -253,15 +253,15 @@ def test_resume_to_train_longer_moves_the_old_eval_after_aside_and_refuses_fixed
         run_training(load_run_config(run, ["model.name=smollm2-135m-instruct"]), resume_dir=run)
     res = run_training(load_run_config(run, ["trainer.total_steps=3"]), resume_dir=run)
     assert res.steps == 3
-    assert json.loads((run / "eval_after.superseded.json").read_text()) == first_after
+    assert json.loads((run / "eval_after.json.superseded").read_text()) == first_after
     after = [e for e in read_jsonl(run / "events.jsonl", include_superseded=True)
              if e["event"] == "eval" and e["label"] == "after"]
     assert [e.get("version") for e in after if not e.get("superseded")] == [3]
-    assert [e["superseded"]["moved_to"] for e in after if e.get("superseded")] == ["eval_after.superseded.json"]
+    assert [e["superseded"]["moved_to"] for e in after if e.get("superseded")] == ["eval_after.json.superseded"]
     resume = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "resume"]
-    assert resume[-1]["superseded_files"] == ["eval_after.json -> eval_after.superseded.json"]
+    assert resume[-1]["superseded_files"] == ["eval_after.json -> eval_after.json.superseded"]
     run_training(load_run_config(run, ["trainer.total_steps=4"]), resume_dir=run)  # a second one: .2
-    assert (run / "eval_after.superseded.2.json").is_file() and (run / "eval_after.json").is_file()
+    assert (run / "eval_after.json.superseded.2").is_file() and (run / "eval_after.json").is_file()
 
 
 def test_a_finished_run_without_a_checkpoint_is_not_silently_trained_again(tmp_path):

@@ -263,9 +263,10 @@ def finished_result(run_dir: Path, cfg: TrainConfig, console) -> TrainResult | N
 def prepare_resume(run_dir: Path, version: int) -> dict:
     """Before a resumed process writes anything: remove what interrupted checkpoint writes left,
     supersede the log rows written after the checkpoint (:func:`conveyor.runlog.supersede_after`),
-    move an ``eval_after.json`` of an earlier process aside (``eval_after.superseded[.N].json``,
-    its ``eval`` event marked superseded: it measured a policy the resumed run trains past, and
-    ``conveyor inspect`` must not take it for this run's) and drop the stale ``summary.json``
+    move an ``eval_after.json`` of an earlier process aside (to ``eval_after.json.superseded[.N]``,
+    which no ``eval_*.json`` glob matches; its ``eval`` event marked superseded: it measured a
+    policy the resumed run trains past, and ``conveyor inspect`` must not take it for this
+    run's) and drop the stale ``summary.json``
     (rewritten at the end). Returns what was done (for the ``resume`` event)."""
     cleaned = clean_stale_checkpoint_dirs(run_dir)
     superseded = {k: v for k, v in supersede_after(run_dir, version).items() if v}
@@ -273,10 +274,10 @@ def prepare_resume(run_dir: Path, version: int) -> dict:
     after = run_dir / "eval_after.json"
     if after.is_file():
         n = 1
-        dest = run_dir / "eval_after.superseded.json"
+        dest = run_dir / "eval_after.json.superseded"
         while dest.exists():
             n += 1
-            dest = run_dir / f"eval_after.superseded.{n}.json"
+            dest = run_dir / f"eval_after.json.superseded.{n}"
         supersede_events(run_dir, lambda row: row.get("event") == "eval" and row.get("label") == "after",
                          {"resume_from_version": version, "moved_to": dest.name, "time": time.time()})
         after.rename(dest)
