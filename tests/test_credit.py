@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from conveyor.config import LossConfig, TrainerConfig
-
 from conveyor.trainer.credit import credit_metrics, per_response_credit
 from conveyor.trainer.trainer import Trainer
 from tests.test_critic_training import fixed_values, make_trainer, traj
