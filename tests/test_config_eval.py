@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from itertools import combinations
 
 import pytest
@@ -150,3 +151,70 @@ def test_total_steps_zero_is_refused():
     with pytest.raises(ConfigError, match=r"trainer\.total_steps: Input should be greater than or equal to 1 \(got 0\)"):
         load_config(None, ["trainer.total_steps=0"])
     assert load_config(None, ["trainer.total_steps=1"]).trainer.total_steps == 1
+
+
+def _cli_fails(*args: str) -> str:
+    """``conveyor ARGS`` exits 2 with one clear error (no traceback); the output, unwrapped."""
+    from typer.testing import CliRunner
+
+    from conveyor.cli import app
+
+    r = CliRunner().invoke(app, list(args))
+    assert r.exit_code == 2, (r.output, r.exception)
+    assert "Traceback" not in r.output and r.output.startswith("error: "), r.output
+    return " ".join(r.output.split())  # rich wraps the line
+
+
+def test_config_file_after_an_override_says_it_must_come_first():
+    """A fresh-user trial: `conveyor train model.name=tiny runs/bad.yaml` said "override
+    'runs/bad.yaml' must look like key=value"."""
+    with pytest.raises(ConfigError, match=r"'runs/bad\.yaml' looks like a config file, not a key=value override: the "
+                                          r"config file must come before the overrides \(conveyor train runs/bad\.yaml "
+                                          r"model\.name=tiny\)"):
+        load_config(None, ["model.name=tiny", "runs/bad.yaml"])
+    out = _cli_fails("train", "model.name=tiny", "runs/bad.yml")
+    assert "must come before the overrides (conveyor train runs/bad.yml model.name=tiny)" in out
+    # with --resume the saved config is used: a file is refused as such, wherever it stands
+    out = _cli_fails("train", "--resume", "runs/none", "trainer.total_steps=3", "c.json")
+    assert "--resume uses the run's saved config" in out and "(c.json)" in out
+    with pytest.raises(ConfigError, match=r"override 'noequals' must look like key=value"):
+        load_config(None, ["noequals"])  # not a file name: the plain message
+
+
+@pytest.mark.parametrize("item, needle", [
+    ("=3", "override '=3' has an empty key"),
+    (" =3", "override ' =3' has an empty key"),
+    ("trainer..lr=1", "the key 'trainer..lr' has an empty part"),
+    ("trainer.=1", "the key 'trainer.' has an empty part"),
+])
+def test_override_with_an_empty_key_says_so(item, needle):
+    """A fresh-user trial: `conveyor train model.name=tiny =3` said only "Extra inputs are not
+    permitted", naming no key."""
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(None, ["model.name=tiny", item])
+    assert needle in _cli_fails("train", "model.name=tiny", item)
+
+
+def test_unknown_key_is_named_as_such():
+    with pytest.raises(ConfigError, match=r"^invalid config \(defaults \+ foo\.bar=3\):\n  foo: unknown key "
+                                          r"\(got \{'bar': 3\}\)$"):
+        load_config(None, ["foo.bar=3"])
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--k", "0"], "--k must be an integer >= 1 (the k of pass@k), got 0"),
+    (["--k", "-2"], "--k must be an integer >= 1 (the k of pass@k), got -2"),
+    (["--k", "4", "--samples", "2"], "--samples must be >= --k (n responses per problem for pass@k, default: --k); "
+                                     "got --samples 2 with --k 4"),
+])
+def test_eval_k_and_samples_errors_say_what_is_allowed(args, needle):
+    """A fresh-user trial: `conveyor eval --k 0` said "got --k 0, --samples None"; checked before
+    any model or data set is loaded."""
+    out = _cli_fails("eval", "--model", "no/such/model", *args)
+    assert needle in out and "None" not in out
+
+
+def test_eval_environment_flag_errors_are_formatted():
+    out = _cli_fails("eval", "--model", "tiny", "--env", "guess", "--max-turns", "0")
+    assert "invalid environment settings (" in out and "max_turns: Input should be greater than or equal to 1 (got 0)" in out
+    assert "errors.pydantic.dev" not in out and "validation error for" not in out

@@ -297,3 +297,36 @@ def test_group_mates_follow_their_prompt_to_one_worker():
     assert together.wall_seconds == pytest.approx(1 + 5 + 1)
     assert split.wall_seconds == pytest.approx(2 + 5 + 1)
     assert together.rollout_busy * together.wall_seconds * 2 == pytest.approx(6.0)
+
+
+def test_cli_simulate_config_errors_are_formatted_like_train(tmp_path):
+    """A fresh-user trial: `conveyor simulate RUN foo.bar=3`, `--sweep eta=a,b` and `eta=-1` printed
+    pydantic's raw "1 validation error for SimConfig ... https://errors.pydantic.dev/...". They are
+    formatted by conveyor.config.format_validation_error, as `conveyor train`'s config errors."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from conveyor.cli import app
+
+    p = tmp_path / "sim.yaml"
+    p.write_text(yaml.safe_dump(_cfg(2).model_dump()))
+    run = tmp_path / "run"
+    run.mkdir()
+    _fake_run(run)
+
+    def fails(*args: str) -> str:
+        r = CliRunner().invoke(app, ["simulate", *args])
+        assert r.exit_code == 2, r.output
+        assert "validation error for" not in r.output and "errors.pydantic.dev" not in r.output, r.output
+        assert "Traceback" not in r.output
+        return " ".join(r.output.split())  # rich wraps the lines
+
+    out = fails(str(run), "foo.bar=3")
+    assert f"invalid simulator config (calibrated from {run} + foo.bar=3): foo: unknown key (got {{'bar': 3}})" in out
+    out = fails(str(p), "eta=-1")
+    assert f"invalid simulator config ({p} + eta=-1): eta: Input should be greater than or equal to 0 (got -1)" in out
+    out = fails(str(p), "--sweep", "eta=a,b")
+    assert "invalid simulator config (--sweep eta=a): eta: Input should be a valid integer" in out and "(got 'a')" in out
+    assert "has an empty key" in fails(str(p), "=3")
+    assert "the config file must come before the overrides (conveyor simulate other.yaml eta=4)" in fails(
+        str(p), "eta=4", "other.yaml")

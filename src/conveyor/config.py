@@ -8,6 +8,7 @@ options are added, never renamed.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -812,6 +813,66 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
+CONFIG_FILE_SUFFIXES = (".yaml", ".yml", ".json")
+"""File name endings of a config file (``conveyor train FILE``)."""
+
+
+def split_override(item: str, *, command: str = "conveyor train", others: Sequence[str] = (),
+                   example: str = "trainer.lr=1e-5") -> tuple[str, str]:
+    """Split one ``key=value`` override into its key (stripped) and its raw value text.
+
+    Args:
+        item: The override as typed, e.g. ``"trainer.lr=1e-5"``.
+        command: The command named in the hint for a misplaced config file.
+        others: The other overrides of the command line, for that hint (default: ``example``).
+        example: An override of the command, shown in the messages.
+
+    Returns:
+        ``(key, value)``; the key's dotted parts are all non-empty.
+
+    Raises:
+        ConfigError: no ``=`` (for an item ending in ``.yaml`` / ``.yml`` / ``.json``: the config
+            file must come before the overrides), an empty key (``=3``), or an empty part in the
+            dotted key (``trainer..lr=1``).
+    """
+    key, sep, value = item.partition("=")
+    key = key.strip()
+    if not sep:
+        if Path(item.strip()).suffix.lower() in CONFIG_FILE_SUFFIXES:
+            rest = " ".join(o for o in others if o != item) or example
+            raise ConfigError(f"{item!r} looks like a config file, not a key=value override: the config file "
+                              f"must come before the overrides ({command} {item} {rest})")
+        raise ConfigError(f"override {item!r} must look like key=value (e.g. {example})")
+    if not key:
+        raise ConfigError(f"override {item!r} has an empty key: write key=value, e.g. {example}")
+    if any(not part.strip() for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: the key {key!r} has an empty part; write section.key=value, "
+                          f"e.g. {example}")
+    return key, value.strip()
+
+
+def format_validation_error(e: ValidationError, src: str, what: str = "config") -> str:
+    """A pydantic validation error as the message of a :class:`ConfigError`: a first line
+    ``invalid <what> (<src>):``, then one line per error, ``  <dotted.key>: <message> (got <value>)``
+    (an unknown key says so), or the message alone for a rule across keys. No pydantic type
+    codes or documentation links.
+
+    Args:
+        e: The error of a ``model_validate``.
+        src: Where the values came from (a file, ``defaults + key=value ...``).
+        what: What was validated (``config``, ``simulator config``).
+    """
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        if not loc:  # a rule across keys (the message names them); the input is the whole config
+            lines.append(f"  {err['msg'].removeprefix('Value error, ')}")
+            continue
+        msg = "unknown key" if err.get("type") == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        lines.append(f"  {loc}: {msg} (got {err.get('input')!r})")
+    return f"invalid {what} ({src}):\n" + "\n".join(lines)
+
+
 def _set_dotted(d: dict, key: str, value: Any) -> None:
     parts = key.split(".")
     cur = d
@@ -859,19 +920,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p}: top level must be a mapping, got {type(data).__name__}")
     for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like key=value (e.g. trainer.lr=1e-5)")
-        k, v = item.split("=", 1)
-        _set_dotted(data, k.strip(), _parse_value(v.strip()))
+        k, v = split_override(item, others=overrides)
+        _set_dotted(data, k, _parse_value(v))
         src += f" + {item}"
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"])
-            if not loc:  # a rule across keys (the message names them); the input is the whole config
-                lines.append(f"  {err['msg'].removeprefix('Value error, ')}")
-                continue
-            lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
-        raise ConfigError(f"invalid config ({src}):\n" + "\n".join(lines)) from e
+        raise ConfigError(format_validation_error(e, src)) from e

@@ -684,12 +684,34 @@ def calibrate(run_dir: str | Path) -> SimConfig:
     )
 
 
+def validate_sim_config(data: dict[str, Any], src: str) -> SimConfig:
+    """:class:`SimConfig` from a mapping; a validation error as ``conveyor train``'s config errors
+    are (:func:`conveyor.config.format_validation_error`: one line per key, no pydantic codes).
+
+    Args:
+        data: The config mapping. src: where it came from (a file, a run directory, overrides).
+
+    Raises:
+        conveyor.config.ConfigError: invalid content (a ``ValueError``; the message names ``src``
+            and each key).
+    """
+    from pydantic import ValidationError
+
+    from conveyor.config import ConfigError, format_validation_error
+
+    try:
+        return SimConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, src, what="simulator config")) from e
+
+
 def load_sim_config(path: str | Path, overrides: list[str] | None = None) -> SimConfig:
     """Read a YAML / JSON simulator config and apply ``key.sub=value`` overrides (values parsed as
     YAML, e.g. ``eta=4``, ``rollout.workers=64``).
 
     Raises:
-        FileNotFoundError: no such file. ValueError: invalid content (the message names the field).
+        FileNotFoundError: no such file. ValueError: invalid content (a
+            :class:`~conveyor.config.ConfigError`; the message names the file and the field).
     """
     import yaml
 
@@ -700,24 +722,22 @@ def load_sim_config(path: str | Path, overrides: list[str] | None = None) -> Sim
     if not isinstance(data, dict):
         raise ValueError(f"{p}: a simulator config must be a mapping, got {type(data).__name__}")
     data = apply_overrides(data, overrides or [])
-    try:
-        return SimConfig.model_validate(data)
-    except Exception as e:
-        raise ValueError(f"{p}: invalid simulator config: {e}") from e
+    return validate_sim_config(data, " + ".join([str(p), *(overrides or [])]))
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Set ``section.key=value`` overrides (values parsed as YAML) in a config mapping, in place.
 
     Raises:
-        ValueError: an override without ``=`` or through a non-section key.
+        ValueError: an override without ``=`` or with an empty key
+            (:func:`conveyor.config.split_override`), or through a non-section key.
     """
     import yaml
 
+    from conveyor.config import split_override
+
     for ov in overrides:
-        if "=" not in ov:
-            raise ValueError(f"override {ov!r}: expected key=value")
-        key, val = ov.split("=", 1)
+        key, val = split_override(ov, command="conveyor simulate", others=overrides, example="rollout.workers=64")
         node = data
         parts = key.split(".")
         for k in parts[:-1]:
