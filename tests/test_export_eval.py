@@ -170,3 +170,99 @@ def test_bad_export_settings_named(tmp_path):
     with pytest.raises(ValueError, match="JSON object"):
         load_export_settings(tmp_path)
     assert load_export_settings(tmp_path / "nowhere") is None
+
+
+def test_eval_records_the_policy_version(exported_run, tmp_path, monkeypatch):
+    """The run's held-out evaluation files and `conveyor eval` of its export record the policy
+    version they measured (the export's conveyor.json policy_version)."""
+    run, _ = exported_run
+    assert json.loads((run / "eval_after.json").read_text())["policy_version"] == 1
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert [(e["label"], e["policy_version"]) for e in events if e["event"] == "eval"] == [("after", 1)]
+    ev, _ = _eval(tmp_path, monkeypatch, "--model", str(run / "export"), "--n", "1", thread_checks=True)
+    assert ev["policy_version"] == 1
+    ev, _ = _eval(tmp_path, monkeypatch, "--model", "tiny", "--n", "1", "--max-new-tokens", "2", thread_checks=True)
+    assert ev["policy_version"] is None  # not a run's export: unknown
+
+
+def test_eval_of_a_run_directory_evaluates_its_export(exported_run, tmp_path, monkeypatch):
+    """A fresh-user trial: `conveyor eval --model RUN` (the run directory, not RUN/export) took the
+    run's config.json for a Hugging Face model's and ended in a tokenizer traceback. A run
+    directory now means its export, said so, with the export's settings."""
+    from conveyor.eval import is_run_dir
+
+    run, cfg = exported_run
+    assert is_run_dir(run) and not is_run_dir(run / "export") and not is_run_dir(tmp_path)
+    thread = eval_mod.RewardService
+    monkeypatch.setattr(eval_mod, "RewardService", lambda *a, **kw: thread(*a, **{**kw, "backend": "thread"}))
+    out = tmp_path / "ev.json"
+    r = CliRunner().invoke(app, ["eval", "--model", f"{run}/", "--n", "1", "--no-progress", "-o", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    text = " ".join(r.output.split())
+    assert f"note: {run}/ is a conveyor training run directory: evaluating its export {run / 'export'}" in text
+    ev = json.loads(out.read_text())
+    assert ev["model"] == str(run / "export") and ev["settings_from"] == str(run / "export" / EXPORT_SETTINGS_FILE)
+    assert (ev["tool"], ev["dataset"], ev["policy_version"]) == ("calculator", cfg.data.heldout, 1)
+
+
+def _fake_run_dir(path, *overrides, files=("metrics.jsonl",)):
+    """A run directory as `conveyor train` leaves it (its config.json and a few files), no model."""
+    from conveyor.runtime_files import atomic_write_json
+
+    path.mkdir(parents=True)
+    atomic_write_json(path / "config.json", load_config(None, ["model.name=tiny", *overrides]).to_dict())
+    for name in files:
+        (path / name).write_text("{}\n")
+    return path
+
+
+@pytest.mark.parametrize("overrides, files, make_export, reason", [
+    (["run.export=false"], ("metrics.jsonl", "summary.json"), False, "does not exist: the run was started with "
+                                                                     "run.export=false"),
+    ([], ("metrics.jsonl",), False, "does not exist: the run has not finished: it was interrupted, crashed or is "
+                                    "still running (`conveyor train --resume {run}` finishes it and writes the export)"),
+    ([], ("metrics.jsonl", "summary.json"), True, "has no config.json: an incomplete export"),
+])
+def test_eval_of_a_run_directory_without_export_is_refused(tmp_path, overrides, files, make_export, reason):
+    run = _fake_run_dir(tmp_path / "run", *overrides, files=files)
+    if make_export:
+        (run / "export").mkdir()
+    r = CliRunner().invoke(app, ["eval", "--model", str(run), "--no-progress", "-o", str(tmp_path / "x.json")])
+    assert r.exit_code == 2, (r.output, r.exception)
+    assert r.output.startswith("error: ") and "Traceback" not in r.output
+    text = " ".join(r.output.split())
+    assert f"--model {run} is a conveyor training run directory, not a model, and it has no usable export" in text
+    assert f"{run / 'export'} " + reason.format(run=run) in text
+    assert "a run's export (RUN/export)" in text and not (tmp_path / "x.json").exists()
+
+
+def test_heldout_eval_writes_the_version_it_was_given(tmp_path):
+    """runtime.inline.heldout_eval records the version the runtime passes (the policy it measured)
+    in eval_<label>.json and its eval event; every earlier field is still there."""
+    from dataclasses import fields
+
+    from conveyor.eval import EvalResult
+    from conveyor.runlog import MetricsLogger
+    from conveyor.runtime.inline import heldout_eval
+    from conveyor.types import Sample
+
+    def fake_evaluate(engine, tokenizer, samples, **kw):
+        return EvalResult(dataset="d", model="tiny", num_problems=1, samples_per_problem=1, pass_at_1=1.0,
+                          pass_at_k={"1": 1.0}, avg_at_k=1.0, format_rate=1.0, mean_response_tokens=2.0,
+                          tokens_per_second=1.0, wall_seconds=1.0, temperature=0.0, max_new_tokens=4)
+
+    cfg = load_config(None, ["model.name=tiny"])
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    try:
+        heldout_eval(None, None, cfg, [Sample(id="a", question="1+1?", answer="2", dataset="d")], "step_7", logger,
+                     tmp_path, False, None, evaluate_fn=fake_evaluate, version=7)
+    finally:
+        logger.close()
+    written = json.loads((tmp_path / "eval_step_7.json").read_text())
+    assert written["policy_version"] == 7
+    assert set(written) == {f.name for f in fields(EvalResult)}
+    (ev,) = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert ev["event"] == "eval" and ev["label"] == "step_7" and ev["policy_version"] == 7
+    # a file written before the field existed still loads into an EvalResult (the field is None)
+    old = {k: v for k, v in written.items() if k != "policy_version"}
+    assert EvalResult(**old).policy_version is None

@@ -94,10 +94,16 @@ def _env_settings(exported: dict | None, flags: dict):
             _fail(f"--env-option {item!r} must look like KEY=VALUE")
         options[key.strip()] = _parse_value(value.strip())
     base["options"] = options
+    from pydantic import ValidationError
+
+    from conveyor.config import format_validation_error
+
     try:
         return EnvConfig.model_validate(base)
-    except Exception as e:  # pydantic's ValidationError: name the flag's key
-        raise ConfigError(f"invalid environment settings: {e}") from e
+    except ValidationError as e:  # one line per key, as `conveyor train`'s config errors
+        src = (("the export's env and " if exported else "")
+               + "--env, --max-turns, --max-episode-tokens, --tool-format, --env-option")
+        raise ConfigError(format_validation_error(e, src, what="environment settings")) from e
 
 
 def _eval_settings(model: str, flags: dict) -> tuple[dict, str | None]:
@@ -132,10 +138,11 @@ def _eval_settings(model: str, flags: dict) -> tuple[dict, str | None]:
 
 @app.command("eval")
 def eval_cmd(
-    model: Annotated[str, typer.Option(help="preset (smollm2-135m-instruct, tiny), HF directory or .gguf file")] = "smollm2-135m-instruct",
+    model: Annotated[str, typer.Option(help="preset (smollm2-135m-instruct, tiny), HF directory, .gguf file, or a "
+                                            "run's export RUN/export (a run directory RUN: its export)")] = "smollm2-135m-instruct",
     dataset: Annotated[str | None, typer.Option(help=_EVAL_HELP["dataset"])] = None,
     n: Annotated[int | None, typer.Option("--n", help=_EVAL_HELP["n"])] = None,
-    k: Annotated[int, typer.Option("--k", help="k of pass@k")] = 1,
+    k: Annotated[int, typer.Option("--k", help="k of pass@k (>= 1)")] = 1,
     samples: Annotated[int | None, typer.Option(help="samples per problem (>= k, default k)")] = None,
     temperature: Annotated[float | None, typer.Option(help=_EVAL_HELP["temperature"])] = None,
     top_p: Annotated[float | None, typer.Option(help=_EVAL_HELP["top_p"])] = None,
@@ -160,16 +167,31 @@ def eval_cmd(
     A run's export (RUN/export) carries the settings of the run's held-out evaluation in
     conveyor.json (tool, instruction, held-out data set, greedy decoding, max new tokens, the
     environment): they are the defaults, so the run's figure is reproduced; explicit flags
-    override them.
+    override them. A run directory RUN given as --model evaluates RUN/export (said so); a run
+    without an export is refused.
     """
+    from rich.markup import escape
+
     from conveyor.config import ConfigError
     from conveyor.data import DatasetError, load_dataset
-    from conveyor.eval import evaluate, load_export_settings
+    from conveyor.eval import evaluate, load_export_settings, resolve_eval_model
     from conveyor.models import ModelLoadError, load_model
     from conveyor.rollout.engine import InferenceEngine, SamplingParams
 
+    if k < 1:
+        _fail(f"--k must be an integer >= 1 (the k of pass@k), got {k}")
+    if samples is not None and samples < k:
+        _fail(f"--samples must be >= --k (n responses per problem for pass@k, default: --k); "
+              f"got --samples {samples} with --k {k}")
     try:
-        exported_env = (load_export_settings(model) or {}).get("env")
+        model, note = resolve_eval_model(model)
+    except ValueError as e:
+        _fail(str(e))
+    if note is not None:
+        console.print(f"[bold yellow]note:[/] {escape(note)}", emoji=False, soft_wrap=True)
+    try:
+        exported = load_export_settings(model) or {}
+        exported_env = exported.get("env")
         env_cfg = _env_settings(exported_env, {"env": env, "max_turns": max_turns,
                                                "max_episode_tokens": max_episode_tokens,
                                                "tool_format": tool_format, "env_option": env_option})
@@ -208,8 +230,6 @@ def eval_cmd(
                       f"{'' if n is None else f' (first {n})'}, tool {tool}, "
                       f"max_new_tokens {max_new_tokens}, temperature {temperature}"
                       f"{'' if env_cfg is None else f', env {env_cfg.name}'}", soft_wrap=True)
-    if k < 1 or (samples is not None and samples < k):
-        _fail(f"need 1 <= --k <= --samples; got --k {k}, --samples {samples}")
     if batch_size < 1:
         _fail(f"--batch-size must be >= 1, got {batch_size}")
     try:
@@ -249,6 +269,7 @@ def eval_cmd(
     finally:
         engine.stop()
     res.settings_from, res.split_seed = settings_from, split_seed
+    res.policy_version = exported.get("policy_version")  # a run's export: the version it holds
     env_part = "" if env_cfg is None else f"__env_{_slug(env_cfg.name)}"
     out = output or Path("runs") / "eval" / f"{_slug(model)}__{_slug(dataset)}{env_part}.json"
     res.write_json(out)
@@ -268,8 +289,8 @@ def train_cmd(
     from conveyor.config import ConfigError, load_config
     from conveyor.data import DatasetError
     from conveyor.models import ModelLoadError
-    from conveyor.runlog import console_log_handler
     from conveyor.rollout.controller import EpisodesFailedError
+    from conveyor.runlog import console_log_handler
     from conveyor.runtime.ray import RolloutActorError  # (imports no Ray)
     from conveyor.runtime_files import RunFileError, describe_os_error, is_disk_full
     from conveyor.shutdown import StopNow
@@ -280,6 +301,10 @@ def train_cmd(
     if config is not None and "=" in str(config):  # `conveyor train key=value` without a file
         ov.insert(0, str(config))
         config = None
+    if resume and config is None:  # `--resume RUN key=value file.yaml`: the file came after an override
+        from conveyor.config import CONFIG_FILE_SUFFIXES
+
+        config = next((Path(o) for o in ov if "=" not in o and Path(o).suffix.lower() in CONFIG_FILE_SUFFIXES), None)
     if resume and config is not None:
         _fail(f"--resume uses the run's saved config; pass changes as key=value overrides, not a file ({config})")
     try:
@@ -391,6 +416,8 @@ def inspect_cmd(
     """Attention inspection: the strongest links `Step s: Token j -> Token i  w%` of one held-out
     trajectory under the run's policy (export, else newest intact checkpoint, else the base
     model, said so), weights normalised per target token; one forward pass with eager attention.
+    Says which policy version generated the trajectory and warns when it is not the version
+    loaded.
     """
     from rich.markup import escape
 
@@ -410,9 +437,16 @@ def inspect_cmd(
     head_txt = "mean over heads" if res.head is None else f"head {res.head}"
     verdict = {True: "correct", False: "wrong", None: "unknown"}[tr.correct]
     console.print(f"policy: {res.policy.source}", markup=False, soft_wrap=True)
-    console.print(f"trajectory: record {tr.index} of {tr.eval_file} ({tr.sample_id}, {verdict}); "
-                  f"prompt tokens 0..{res.prompt_len - 1}, response tokens {res.prompt_len}..{len(tr.ids) - 1} "
-                  "(the response text re-encoded)", markup=False, soft_wrap=True)
+    if tr.policy_version is None:
+        generated = "by an unknown policy version"
+    else:
+        generated = f"by policy version {tr.policy_version}" + (
+            "" if tr.version_source == "recorded" else f" ({tr.version_source.split(';')[0]})")
+    console.print(f"trajectory: record {tr.index} of {tr.eval_file} ({tr.sample_id}, {verdict}), generated "
+                  f"{generated}; prompt tokens 0..{res.prompt_len - 1}, response tokens "
+                  f"{res.prompt_len}..{len(tr.ids) - 1} (the response text re-encoded)", markup=False, soft_wrap=True)
+    if res.version_warning is not None:
+        console.print(f"[bold yellow]warning:[/] {escape(res.version_warning)}", emoji=False, soft_wrap=True)
     console.print(f"layer {res.layer} of 0..{res.num_layers - 1}, {head_txt} ({res.num_heads} heads); top {top} "
                   f"links per target, normalised per target{', self-links excluded' if exclude_self else ''}",
                   markup=False, soft_wrap=True)
@@ -445,13 +479,21 @@ def simulate_cmd(
     import yaml
     from rich.table import Table
 
-    from conveyor.simulate import SimConfig, apply_overrides, calibrate, load_sim_config, simulate
+    from conveyor.simulate import (
+        SimConfig,
+        apply_overrides,
+        calibrate,
+        load_sim_config,
+        simulate,
+        validate_sim_config,
+    )
 
     try:
         if config.is_dir():
             base = calibrate(config)
             if overrides:
-                base = SimConfig.model_validate(apply_overrides(base.model_dump(), overrides))
+                base = validate_sim_config(apply_overrides(base.model_dump(), overrides),
+                                           " + ".join([f"calibrated from {config}", *overrides]))
         else:
             base = load_sim_config(config, overrides)
     except (FileNotFoundError, ValueError) as e:
@@ -481,9 +523,9 @@ def simulate_cmd(
                 _fail(f"--sweep: no key {key!r} in the simulator config")
             node[parts[-1]] = yaml.safe_load(v)
             try:
-                variants.append((f"{key}={v}", SimConfig.model_validate(data)))
+                variants.append((f"{key}={v}", validate_sim_config(data, f"--sweep {key}={v}")))
             except ValueError as e:
-                _fail(f"--sweep {key}={v}: {e}")
+                _fail(str(e))
     else:
         variants.append(("", base))
     table = Table(title="conveyor simulate")

@@ -9,7 +9,13 @@ A training run's export (``RUN/export``) carries the settings its held-out evalu
 ``conveyor.json`` (:data:`EXPORT_SETTINGS_FILE`, written by :func:`write_export_settings`):
 ``conveyor eval --model RUN/export`` evaluates with them by default, so it reproduces the run's
 figure (issue 10, section 5b: a run trained with the calculator tool scored 0.0 when evaluated
-without it).
+without it). ``--model RUN`` (the run directory itself, :func:`resolve_eval_model`) evaluates
+``RUN/export`` the same way; a run without an export is refused, saying why it has none.
+
+Every evaluation records the policy version it measured (``policy_version``: a run's held-out
+evaluations the version the runtime evaluated, ``conveyor eval`` of an export the
+``policy_version`` of its ``conveyor.json``; None for other models and for files written before
+the field existed, which still load: readers use ``.get``).
 """
 
 from __future__ import annotations
@@ -88,6 +94,10 @@ class EvalResult:
         settings_from: The export settings file the defaults came from (``conveyor eval
             --model RUN/export``), or None.
         split_seed: The data set's split seed (set by ``conveyor eval``), or None.
+        policy_version: The policy version evaluated (optimizer steps): set by a run's held-out
+            evaluations (:func:`conveyor.runtime.inline.heldout_eval`) and by ``conveyor eval``
+            of a run's export (its ``conveyor.json``); None otherwise (any other model, or an
+            evaluation file written before the field existed).
         env: The environment whose episodes were evaluated (``env.name``), ``"none"`` for
             single responses. The figures below are set only with an environment (None
             otherwise, and left out of :meth:`summary`):
@@ -131,6 +141,7 @@ class EvalResult:
     correct_unknown: int = 0
     settings_from: str | None = None
     split_seed: int | None = None
+    policy_version: int | None = None
     env: str = "none"
     max_turns: int | None = None
     max_episode_tokens: int | None = None
@@ -248,12 +259,81 @@ def load_export_settings(model: str | Path) -> dict[str, Any] | None:
         raise ValueError(f"{path}: not readable as JSON ({e})") from e
     if not isinstance(settings, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(settings).__name__}")
-    expected = {"instruction": str, "tool": str, "max_tool_calls": int, "eval": dict, "env": dict}
+    expected = {"instruction": str, "tool": str, "max_tool_calls": int, "eval": dict, "env": dict,
+                "policy_version": int}
     for key, typ in expected.items():
         if key in settings and not isinstance(settings[key], typ):
             got = repr(settings[key])[:80]
             raise ValueError(f"{path}: key {key!r} must be a {typ.__name__}, got {got}")
     return settings
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a ``conveyor train`` run directory rather than a model: a directory
+    whose ``config.json`` is a conveyor config (``model``, ``rollout`` and ``trainer`` sections,
+    no Hugging Face ``model_type``). A Hugging Face model directory (``config.json`` with
+    ``model_type``), a run's ``export/``, a file or a preset name are not."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        data = json.loads(cfg.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return (isinstance(data, dict) and "model_type" not in data
+            and all(isinstance(data.get(key), dict) for key in ("model", "rollout", "trainer")))
+
+
+def _no_export_reason(run_dir: Path) -> str:
+    """Why a run directory has no ``export/``, as far as its files tell."""
+    try:
+        cfg = json.loads((run_dir / "config.json").read_text())
+        export = (cfg.get("run") or {}).get("export", True)
+    except (OSError, ValueError, AttributeError):
+        export = True
+    if export is False:
+        return "the run was started with run.export=false"
+    if not (run_dir / "summary.json").is_file():
+        return (f"the run has not finished: it was interrupted, crashed or is still running "
+                f"(`conveyor train --resume {run_dir}` finishes it and writes the export)")
+    return "the run finished without one, or it was deleted"
+
+
+def resolve_eval_model(model: str) -> tuple[str, str | None]:
+    """The model ``conveyor eval --model MODEL`` loads.
+
+    A ``conveyor train`` run directory (:func:`is_run_dir`) is not a model: its ``config.json``
+    is the run's config. Given one, its export ``RUN/export`` is evaluated (the run's final
+    policy, with the settings of its ``conveyor.json``, exactly as ``--model RUN/export``; the
+    first choice of ``conveyor inspect RUN`` too). Unlike ``conveyor inspect``, there is no
+    fallback to a checkpoint or the base model: a run without an export is refused.
+
+    Args:
+        model: The ``--model`` reference.
+
+    Returns:
+        ``(model to load, note)``: ``model`` itself and None for anything but a run directory;
+        ``RUN/export`` and a note saying so for a run directory.
+
+    Raises:
+        ValueError: a run directory without a usable export (one line naming ``RUN/export`` and
+            why it is missing: ``run.export=false``, the run not finished, or an export without
+            its ``config.json``).
+    """
+    run_dir = Path(model)
+    if not is_run_dir(run_dir):
+        return model, None
+    export = run_dir / "export"
+    if (export / "config.json").is_file():
+        return str(export), (f"{model} is a conveyor training run directory: evaluating its export {export} "
+                             "(the run's final policy)")
+    if export.is_dir():
+        why = f"{export} has no config.json: an incomplete export (the run stopped while exporting?)"
+    else:
+        why = f"{export} does not exist: {_no_export_reason(run_dir)}"
+    raise ValueError(f"--model {model} is a conveyor training run directory, not a model, and it has no usable "
+                     f"export ({why}); --model takes a model: a run's export (RUN/export), a preset, a Hugging Face "
+                     "directory or a .gguf file")
 
 
 def _ks(n: int, k: int) -> list[int]:

@@ -77,7 +77,8 @@ def heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logge
                  run_dir: Path, progress: bool, reward_service: RewardService | None = None, *,
                  evaluate_fn: Callable = evaluate, version: int = 0, policy: torch.nn.Module | None = None):
     """Greedy pass@1 of the engine's current weights on ``samples``; written atomically to
-    ``RUN/eval_<label>.json`` and logged as an ``eval`` event at the latest log step. With an
+    ``RUN/eval_<label>.json`` with ``policy_version`` = ``version`` (the policy it measured) and
+    logged as an ``eval`` event at the latest log step. With an
     environment (``env.name`` not ``none``) the samples are the environment's episodes
     (:func:`conveyor.eval.evaluate` with ``env=cfg.env``).
 
@@ -90,7 +91,8 @@ def heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logge
         evaluate_fn: Runs the evaluation, with :func:`conveyor.eval.evaluate`'s signature (the
             default; :attr:`RolloutSide.evaluate` of the runtime, e.g. the Ray runtime's runs it
             inside the rollout actor).
-        version: The policy version evaluated (the target style of the preference-shift task).
+        version: The policy version evaluated: recorded as the result's ``policy_version`` (in
+            the file and the event), and the target style of the preference-shift task.
         policy: Evaluate this model (a float32 copy, in a temporary in-process engine of its
             own, stopped afterwards) instead of ``engine`` (:func:`eval_policy`); answers are
             checked in ``reward_service`` when it is an in-process one, else in workers of the
@@ -122,6 +124,7 @@ def heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logge
         finally:
             eval_engine.stop()
             del model, eval_engine
+    res.policy_version = version  # which policy the file measured (conveyor inspect compares it)
     atomic_write(run_dir / f"eval_{label}.json", res.write_json)  # never a half-written file
     # version: the latest log step (the policy version; k - W during a critic warm-up of W steps)
     logger.event("eval", label=label, **{k: v for k, v in res.summary().items() if not isinstance(v, dict)},
