@@ -483,3 +483,41 @@ def test_sliding_window_baseline_load_trims_and_copies():
     state["history"].append(100.0)                 # the caller's list is not aliased
     assert base.state_dict() == {"window": 2, "history": [0.0, 0.0]}
     close(base.advantages(torch.tensor([1.0])), [1.0])
+
+
+def test_clamp_values_hand_values_and_errors():
+    from conveyor.trainer.gae import clamp_values
+
+    v = torch.tensor([[-0.2, 0.5, 1.3]])
+    assert clamp_values(v, None) is v
+    assert torch.equal(clamp_values(v, (0.0, 1.0)), torch.tensor([[0.0, 0.5, 1.0]]))
+    for bad in ((1.0, 0.0), (0.0, 0.0), (0.0, float("inf"))):
+        with pytest.raises(ValueError, match="finite lo < hi"):
+            clamp_values(v, bad)
+
+
+def test_value_bounds_keep_an_unrewarded_response_from_a_positive_advantage(tiny):
+    """One response of 3 action tokens, reward 0, V = (-0.2, -0.1, 0.3), gamma 1, lambda 1:
+    A_t = R - V_t = (0.2, 0.1, -0.3): the first two tokens are pushed up although the response
+    earned nothing. With critic.value_bounds=[0, 1]: V -> (0, 0, 0.3), A = (0, 0, -0.3). The
+    returns (lambda 1: R = 0 on every token) are the same either way."""
+    from tests.test_critic_training import fixed_values, make_trainer, token_advantages, traj
+
+    trajs = [traj(0, [5, 6, 7], 0.0)]
+    for bounds, want in ((None, [0.2, 0.1, -0.3]), ([0.0, 1.0], [0.0, 0.0, -0.3])):
+        tr = make_trainer(tiny, critic={"policy_lam": 1.0, "value_bounds": bounds})
+        fixed_values(tr, {0: [-0.2, -0.1, 0.3]})
+        batch = tr.pack(trajs)
+        scores = tr.score(batch)
+        tr.assign_advantages(batch, scores)
+        assert token_advantages(batch, 0) == pytest.approx(want, abs=1e-6)
+        assert scores.returns[0][batch.micro_batches[0].mask > 0].tolist() == pytest.approx([0.0, 0.0, 0.0], abs=1e-6)
+
+
+def test_value_bounds_config_errors():
+    from conveyor.config import ConfigError, load_config
+
+    assert load_config(None, ["loss.advantage=gae", "rollout.group_size=1", "critic.value_bounds=[0, 1]"]
+                       ).critic.value_bounds == (0.0, 1.0)
+    with pytest.raises(ConfigError, match=r"critic.value_bounds: .*finite lo < hi"):
+        load_config(None, ["loss.advantage=gae", "critic.value_bounds=[1, 0]"])

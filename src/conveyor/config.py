@@ -8,6 +8,7 @@ options are added, never renamed.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -304,6 +305,12 @@ class CriticConfig(_Strict):
                                                           "before RL (the policy and its version stay at 0)")
     value_clip: float | None = Field(default=None, gt=0, description="PPO value clipping around the pre-update "
                                                                      "values; null = off")
+    value_bounds: tuple[float, float] | None = Field(
+        default=None, description="[lo, hi]: the critic's values are clamped to this range where the advantages "
+                                  "and returns are computed (the range returns can take, e.g. [0, 1] for 0/1 "
+                                  "outcome rewards with gamma 1), so a value below every reachable return cannot "
+                                  "give a response that earned nothing a positive advantage; the value loss "
+                                  "still trains the raw values; null = off (conveyor.trainer.gae.clamp_values)")
     gamma: float = Field(default=1.0, ge=0, le=1, description="discount per action token")
     lam: float = Field(default=1.0, ge=0, le=1, description="critic lambda (returns)")
     policy_lam: float | Literal["adaptive"] = Field(
@@ -338,6 +345,13 @@ class CriticConfig(_Strict):
                 raise ValueError(f"head:H takes the value head's width H, an integer >= 1; got {v!r}")
         elif not v:
             raise ValueError("empty backbone (policy, policy:L, or a model preset / HF dir)")
+        return v
+
+    @field_validator("value_bounds")
+    @classmethod
+    def _value_bounds_order(cls, v):
+        if v is not None and not (math.isfinite(v[0]) and math.isfinite(v[1]) and v[0] < v[1]):
+            raise ValueError(f"value_bounds must be [lo, hi] with finite lo < hi, got {list(v)}")
         return v
 
     @field_validator("policy_lam")

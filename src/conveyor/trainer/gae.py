@@ -18,7 +18,7 @@ from torch import Tensor
 
 __all__ = [
     "gae", "decoupled_gae", "adaptive_lambda", "turn_level_gae", "segments",
-    "whiten", "sliding_window_advantages", "SlidingWindowBaseline",
+    "whiten", "sliding_window_advantages", "SlidingWindowBaseline", "clamp_values",
 ]
 
 
@@ -275,6 +275,36 @@ def turn_level_gae(
     adv = _chain_gae(r_turn, v_turn, chain, gamma, lam_t)
     return (torch.where(mask, adv.gather(1, turn), zero),
             torch.where(mask, (adv + v_turn).gather(1, turn), zero))
+
+
+@torch.no_grad()
+def clamp_values(values: Tensor, bounds: tuple[float, float] | None) -> Tensor:
+    """The critic's values clamped to the range the returns can take, for the advantages.
+
+    With outcome rewards in ``[r_lo, r_hi]`` and ``gamma = 1`` every return lies in that range, so
+    a value outside it is an error of the critic. It matters for the policy: with lambda near 1 a
+    token's advantage is about ``R - V_t``, so on a response that earned ``R = r_lo`` a value
+    below ``r_lo`` gives every token a positive advantage, and the summed advantage grows with
+    the response's length (``advantage/sum_unrewarded`` > 0 in ``metrics.jsonl``;
+    docs/results/sao.md, the length drift). Clamping ``V`` to the bounds removes that case; the
+    value loss keeps training the unclamped values. Off by default (``critic.value_bounds``).
+
+    Args:
+        values: ``[B, T]`` (any shape) float values.
+        bounds: ``(lo, hi)`` with ``lo < hi``, or None (values returned unchanged).
+
+    Returns:
+        ``values`` clamped elementwise to ``[lo, hi]`` (a new tensor), or ``values`` itself.
+
+    Raises:
+        ValueError: ``bounds`` not two finite numbers with ``lo < hi``.
+    """
+    if bounds is None:
+        return values
+    lo, hi = (float(b) for b in bounds)
+    if not (torch.isfinite(torch.tensor([lo, hi])).all() and lo < hi):
+        raise ValueError(f"bounds must be (lo, hi) with finite lo < hi, got {bounds!r}")
+    return values.clamp(lo, hi)
 
 
 @torch.no_grad()

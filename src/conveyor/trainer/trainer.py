@@ -742,8 +742,9 @@ class Trainer:
         its last action token, ``Trajectory.turn_rewards``), the pre-update values, its action mask
         (observation tokens 0). Advantages use the policy lambda (fixed, or length-adaptive
         ``1 - 1 / (alpha * l)``, l = action tokens), returns the critic lambda (VAPO's decoupled
-        GAE); with ``critic.values=turn`` one value per action segment instead. Optional
-        whitening over the batch's action tokens (``critic.whiten_advantages``).
+        GAE); with ``critic.values=turn`` one value per action segment instead. The values are
+        clamped to ``critic.value_bounds`` first where set (:func:`conveyor.trainer.gae.clamp_values`).
+        Optional whitening over the batch's action tokens (``critic.whiten_advantages``).
         """
         cc = self.critic_cfg
         seq_adv = torch.zeros(len(batch.trajectories))
@@ -755,6 +756,7 @@ class Trainer:
             valid[s_idx, k_idx] = 1.0
             values = torch.zeros(S, T)
             values[s_idx, k_idx] = scores.values[j].reshape(-1)[pos]
+            values = gae_lib.clamp_values(values, cc.value_bounds)  # critic.value_bounds (null: unchanged)
             rewards = torch.zeros(S, T)
             n_act = action.sum(-1)
             has = n_act > 0
