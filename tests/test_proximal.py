@@ -478,3 +478,25 @@ def test_dedicated_worker_scores_with_the_retired_version_then_loads_the_next(ti
             assert torch.equal(a, b)
     finally:
         ded.stop()
+
+
+def test_reference_forward_is_timed_apart_from_the_proximal_policy(tiny, monkeypatch):
+    """The KL penalty's reference forward is ``time/reference_s``, not proximal cost: with
+    ``recompute`` and one minibatch the proximal log-probs come from the gradient pass (no extra
+    forward), so ``time/proximal_s`` stays far below a slowed-down reference pass."""
+    import time as _time
+
+    tr = _trainer(tiny, "recompute", eta=2, loss={"kl_coef": 0.05})
+    assert tr.has_reference
+    slow = tr._reference_logprobs
+
+    def reference_logprobs_slowly(mb):
+        _time.sleep(0.3)
+        return slow(mb)
+
+    monkeypatch.setattr(tr, "_reference_logprobs", reference_logprobs_slowly)
+    m = tr.train_step(make_trajs(4, version=0))
+    assert m["time/reference_s"] >= 0.3
+    assert m["time/proximal_s"] < 0.25
+    plain = _trainer(tiny, "recompute", eta=2, loss={"kl_coef": 0.0})
+    assert "time/reference_s" not in plain.train_step(make_trajs(4, version=0))

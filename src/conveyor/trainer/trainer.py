@@ -168,6 +168,9 @@ class Scores:
             highest-std share ``critic.mask_high_frac`` (set with the advantages).
         critic_values: With an ensemble: ``[N, R, L]``, each critic's own pre-update values.
         ensemble_metrics: ``critic/ensemble_*`` statistics of the step.
+        value_seconds: Wall-clock seconds of the critic's value forward passes in this phase.
+        reference_seconds: Wall-clock seconds of the reference policy's forward passes (the KL
+            penalty's ``log pi_ref``): not proximal-policy cost, logged as ``time/reference_s``.
     """
 
     proximal: list[torch.Tensor | None]
@@ -176,6 +179,7 @@ class Scores:
     values: list[torch.Tensor | None] = field(default_factory=list)
     returns: list[torch.Tensor | None] = field(default_factory=list)
     value_seconds: float = 0.0
+    reference_seconds: float = 0.0
     value_std: list[torch.Tensor | None] = field(default_factory=list)
     entropy_keep: list[torch.Tensor | None] = field(default_factory=list)
     critic_values: list[torch.Tensor | None] = field(default_factory=list)
@@ -611,7 +615,10 @@ class Trainer:
         batch = self.pack(trajectories)
         t_prox = time.perf_counter()
         scores = self.score(batch)
-        metrics["time/proximal_s"] = time.perf_counter() - t_prox - scores.value_seconds
+        # the score phase minus the critic's and the reference policy's forward passes (their own keys)
+        metrics["time/proximal_s"] = time.perf_counter() - t_prox - scores.value_seconds - scores.reference_seconds
+        if self.has_reference:
+            metrics["time/reference_s"] = scores.reference_seconds
         self.assign_advantages(batch, scores)
         update = self.policy_update(batch, scores, window=int(metrics["staleness/max"]))
         metrics["time/proximal_s"] += update.proximal_seconds
@@ -693,7 +700,9 @@ class Trainer:
                         cur, scores.entropy[j] = self._logprobs(self.model, mb, with_entropy=True)
                         scores.proximal[j] = self.proximal.from_forward(cur, mb, self.version)
                 if self.has_reference and not values_only:
+                    t_r = time.perf_counter()
                     scores.reference[j] = self._reference_logprobs(mb)
+                    scores.reference_seconds += time.perf_counter() - t_r
                 if self.critic is not None:
                     t_v = time.perf_counter()
                     resp = (mb.response_index >= 0).float()
