@@ -18,3 +18,6 @@ fi
 # workers) then skips compiling them, also where PYTHONDONTWRITEBYTECODE is set (~0.6 s a start here)
 "$VPY" -m compileall -q src tests benchmarks scripts >/dev/null
 "$VPY" -c "import conveyor, torch; print(f'conveyor {conveyor.__version__} installed (torch {torch.__version__})')"
+# the Python tool's sandbox (env.name=math_python, README "Agents") needs bubblewrap, a system
+# package this script does not install; say so now rather than at the first tool call
+command -v bwrap >/dev/null 2>&1 || echo "note: bubblewrap (bwrap) not found: the sandboxed Python tool (env.name=math_python) needs it: sudo apt-get install bubblewrap (its tests are skipped without it)"
