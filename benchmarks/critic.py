@@ -26,10 +26,15 @@ rows do not influence each other; one warm-up update, then ``--repeats`` timed u
    a critic; separates the cost of the critic from the cost of not sharing prompts);
 3. ``sao``: ``loss.name=dis``, ``loss.advantage=gae``, ``CriticConfig(updates_per_step=2,
    freeze_attention=True)`` (the critic a full copy of the policy), the single-response layout;
-4. ``sao K=1``; 5. ``sao attention trained`` (``freeze_attention=False``); 6. ``sao critic
-   policy:L`` (the critic's backbone the policy's first ``--critic-layers`` layers); 7. ``sao critic
+   this and every other SAO row run the critic's value pass of their own
+   (``critic.separate_value_pass=true``), so the split below separates value inference;
+4. ``sao, values from the first update``: row 3 with ``critic.separate_value_pass=false`` (the
+   default): the values come from the first of the K updates' forward passes, one critic forward
+   pass per step fewer (its ``score s`` is 0: the values are inside ``critic s``);
+5. ``sao K=1``; 6. ``sao attention trained`` (``freeze_attention=False``); 7. ``sao critic
+   policy:L`` (the critic's backbone the policy's first ``--critic-layers`` layers); 8. ``sao critic
    head`` (AsyPPO's lightweight critic: a two-layer head on the policy's detached hidden states,
-   ``critic.backbone=head``); 8. ``sao 2 head critics (asyppo)`` (``critic.num_critics=2``).
+   ``critic.backbone=head``); 9. ``sao 2 head critics (asyppo)`` (``critic.num_critics=2``).
 
 KL is off in every row (``loss.kl_coef=0``: no reference model, no reference pass), so the
 comparison isolates the critic. Per row: seconds per update (wall clock around
@@ -145,6 +150,9 @@ def rows_spec(critic_layers: int) -> list[dict]:
         {"name": "grpo, prompts not shared", "loss": "decoupled_ppo", "advantage": "grpo", "layout": "grpo",
          "share_prompts": False},
         {"name": "sao", **sao, "K": 2, "freeze_attention": True, "backbone": "policy"},
+        # the default since 2026-12-03: the values from the first critic update's forward pass
+        {"name": "sao, values from the first update", **sao, "K": 2, "freeze_attention": True, "backbone": "policy",
+         "separate_value_pass": False},
         {"name": "sao K=1", **sao, "K": 1, "freeze_attention": True, "backbone": "policy"},
         {"name": "sao attention trained", **sao, "K": 2, "freeze_attention": False, "backbone": "policy"},
         {"name": f"sao critic policy:{critic_layers}", **sao, "K": 2, "freeze_attention": True,
@@ -178,7 +186,8 @@ def run_row(base_model, batch, spec: dict, *, repeats: int, bf16, lr: float, tem
     ccfg = None
     if spec["advantage"] == "gae":
         ccfg = CriticConfig(updates_per_step=spec["K"], freeze_attention=spec["freeze_attention"],
-                            backbone=spec["backbone"], num_critics=spec.get("num_critics", 1))
+                            backbone=spec["backbone"], num_critics=spec.get("num_critics", 1),
+                            separate_value_pass=spec.get("separate_value_pass", True))
     trainer = Trainer(model, tcfg, lcfg, temperature=temperature, critic_cfg=ccfg)
 
     mbs = trainer.pack(batch).micro_batches
@@ -257,11 +266,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny model, 8 trajectories, 1 repeat (CI smoke run)")
+    ap.add_argument("--rows", default=None,
+                    help="comma-separated row numbers of the list above (e.g. 3,4); row 1 (GRPO, the ratios' "
+                         "reference) always runs")
     ap.add_argument("--json", default=None, help="also write the result to this file")
     args = ap.parse_args(argv)
     if args.quick:
         # the tiny model has 2 layers: policy:1 keeps the truncated-critic row distinct
         args.model, args.trajectories, args.repeats, args.critic_layers = "tiny", 8, 1, 1
+    specs = rows_spec(args.critic_layers)
+    if args.rows:
+        try:
+            wanted = {int(x) for x in args.rows.split(",") if x.strip()}
+        except ValueError:
+            ap.error(f"--rows {args.rows!r}: comma-separated row numbers 1-{len(specs)} expected")
+        if not wanted <= set(range(1, len(specs) + 1)):
+            ap.error(f"--rows {args.rows!r}: row numbers 1-{len(specs)} expected")
+        specs = [s for i, s in enumerate(specs, 1) if i == 1 or i in wanted]
 
     import torch
 
@@ -275,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
     grpo, single = make_batches(base, n=args.trajectories, vocab=base.config.vocab_size,
                                 temperature=args.temperature, seed=args.seed)
     rows = []
-    for spec in rows_spec(args.critic_layers):
+    for spec in specs:
         r = run_row(base, grpo if spec["layout"] == "grpo" else single, spec, repeats=args.repeats, bf16=bf16,
                     lr=args.lr, temperature=args.temperature, seed=args.seed)
         ref = rows[0] if rows else r

@@ -269,8 +269,9 @@ def test_critic_benchmark_quick(quick):
     assert json.loads((quick[1] / "critic.json").read_text()) == r
     assert r["model"] == "tiny" and r["kl_coef"] == 0.0
     rows = {row["name"]: row for row in r["rows"]}
-    assert list(rows) == ["grpo", "grpo, prompts not shared", "sao", "sao K=1", "sao attention trained",
-                          "sao critic policy:1", "sao critic head", "sao 2 head critics (asyppo)"]
+    assert list(rows) == ["grpo", "grpo, prompts not shared", "sao", "sao, values from the first update", "sao K=1",
+                          "sao attention trained", "sao critic policy:1", "sao critic head",
+                          "sao 2 head critics (asyppo)"]
     grpo = rows["grpo"]
     for row in rows.values():
         assert row["seconds"] > 0 and row["tokens"] == grpo["tokens"] > 0, row["name"]
@@ -286,6 +287,10 @@ def test_critic_benchmark_quick(quick):
         assert row["critic/updates"] == k and row["critic/skipped_nonfinite"] == 0, row
         assert row["critic_s"] > 0 and row["score_s"] > 0 and row["rest_s"] > 0, row
         assert row["critic_s"] + row["score_s"] < row["seconds"], row
+    # values from the first critic update: no value pass of their own, the same critic steps
+    folded = rows["sao, values from the first update"]
+    assert folded["score_s"] == 0 and folded["critic_s"] > 0 and folded["critic/updates"] == 2
+    assert folded["critic/value_loss"] == pytest.approx(rows["sao"]["critic/value_loss"], rel=1e-4)
     # frozen attention trains fewer critic parameters; policy:1 keeps fewer of them
     assert rows["sao"]["critic_trainable_params"] < rows["sao attention trained"]["critic_trainable_params"]
     assert rows["sao critic policy:1"]["critic_params"] < rows["sao"]["critic_params"]
@@ -342,3 +347,24 @@ def test_engine_scaling_benchmark_quick(quick):
     cluster = r["predicted"]["cluster"]
     assert set(cluster) == {"1", "8", "64"} and cluster["1"]["efficiency_per_node"] == pytest.approx(1.0)
     assert cluster["64"]["trajectories_per_s"] > cluster["8"]["trajectories_per_s"] > cluster["1"]["trajectories_per_s"]
+
+
+def _critic_benchmark():
+    spec = importlib.util.spec_from_file_location("bench_critic", Path(__file__).parents[1] / "benchmarks" / "critic.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_critic_benchmark_runs_the_chosen_rows_and_grpo(capsys):
+    """``--rows 4``: the GRPO reference row and row 4 (values from the first critic update), nothing else."""
+    r = _critic_benchmark().main(["--quick", "--rows", "4"])
+    assert [row["name"] for row in r["rows"]] == ["grpo", "sao, values from the first update"]
+    assert r["rows"][1]["ratio_seconds"] == pytest.approx(r["rows"][1]["seconds"] / r["rows"][0]["seconds"])
+
+
+@pytest.mark.parametrize("rows", ["10", "0", "three", "3,x"])
+def test_critic_benchmark_rejects_unknown_rows(rows, capsys):
+    with pytest.raises(SystemExit) as e:
+        _critic_benchmark().main(["--quick", "--rows", rows])
+    assert e.value.code == 2 and "--rows" in capsys.readouterr().err

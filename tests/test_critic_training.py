@@ -380,3 +380,83 @@ def test_scale_lr_reaches_the_policy_and_the_critic(tiny):
     tr.scale_lr(0.5)
     after = [[g["lr"] for g in up.optimizer.param_groups] for up in tr.updaters]
     assert after == [[x * 0.5 for x in lrs] for lrs in before] and all(x > 0 for lrs in before for x in lrs)
+
+
+def _forward_counter(module):
+    calls = []
+    module.register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("critic", [
+    {},
+    {"skip_observations": False, "value_clip": 0.05, "whiten_advantages": True, "value_bounds": (0.0, 0.5)},
+    {"warmup_steps": 1, "updates_per_step": 1},
+])
+def test_values_from_the_first_critic_update_change_nothing_computed(tiny, critic):
+    """critic.separate_value_pass=false (default) takes the pre-update values from the first
+    critic update's forward pass: the same advantages, returns, critic and policy as the separate
+    value pass, on several micro-batches, one critic forward pass per step fewer."""
+    small = {"micro_batch_tokens": 24, "pack_row_tokens": 24}  # several micro-batches
+    fold = make_trainer(tiny, critic=critic, trainer=small)
+    sep = make_trainer(tiny, critic={**critic, "separate_value_pass": True}, trainer=small)
+    assert fold.folds_value_pass and not sep.folds_value_pass
+    calls_fold, calls_sep = _forward_counter(fold.critic), _forward_counter(sep.critic)
+    k = fold.critic_cfg.updates_per_step
+    steps = [("warmup", 0)] * fold.critic_cfg.warmup_steps + [("train", 1), ("train", 2)]
+    for kind, seed in steps:
+        batch = _batch(6, seed=seed)
+        n_mb = len(fold.pack(batch).micro_batches)
+        assert n_mb >= 3
+        before = len(calls_fold), len(calls_sep)
+        if kind == "warmup":
+            mf, ms = fold.critic_warmup_step(batch), sep.critic_warmup_step(batch)
+        else:
+            mf, ms = fold.train_step(batch), sep.train_step(batch)
+        assert len(calls_fold) - before[0] == k * n_mb  # K passes per micro-batch
+        assert len(calls_sep) - before[1] == (k + 1) * n_mb  # + the value pass
+        for key in ("critic/value_loss", "critic/value_loss_last", "critic/explained_variance",
+                    "critic/value_mean", "critic/return_mean", "critic/clip_frac", "critic/updates"):
+            assert mf[key] == pytest.approx(ms[key], rel=1e-5, abs=1e-7), key
+        if kind == "train":
+            assert "time/critic_values_s" in ms and "time/critic_values_s" not in mf
+            for key in ("loss/loss", "train/advantage_abs_mean", "advantage/length_corr", "advantage/sum_rewarded"):
+                assert mf[key] == pytest.approx(ms[key], rel=1e-5, abs=1e-7), key
+        for a, b in zip(fold.critic.parameters(), sep.critic.parameters(), strict=True):
+            assert torch.allclose(a, b, atol=1e-6)
+        for a, b in zip(fold.model.parameters(), sep.model.parameters(), strict=True):
+            assert torch.allclose(a, b, atol=1e-6)
+    assert any(not torch.equal(a, b) for a, b in zip(fold.critic.parameters(), make_trainer(tiny).critic.parameters(),
+                                                     strict=True))
+
+
+def test_values_from_the_first_critic_update_survive_a_non_finite_critic_loss(tiny, monkeypatch):
+    """A non-finite value loss on the first micro-batch skips that critic update; the micro-batches
+    after it still get their values (a pass without gradient), so the advantages and the policy
+    update are those of the separate value pass."""
+    real = critic_lib.value_loss
+    seen = {"n": 0}
+
+    def value_loss_nan_first(*a, **kw):
+        out = real(*a, **kw)
+        seen["n"] += 1
+        if seen["n"] == 1:  # each trainer's first call
+            return type(out)(**{**out.__dict__, "loss_sum": out.loss_sum * float("nan")})
+        return out
+
+    small = {"micro_batch_tokens": 24, "pack_row_tokens": 24}
+    monkeypatch.setattr(critic_lib, "value_loss", value_loss_nan_first)
+    results = []
+    for separate in (False, True):
+        seen["n"] = 0
+        tr = make_trainer(tiny, critic={"separate_value_pass": separate}, trainer=small)
+        m = tr.train_step(_batch(6, seed=3))
+        assert m["critic/skipped_nonfinite"] == 1.0 and m["critic/updates"] == 1.0
+        assert m["train/skipped_nonfinite"] == 0
+        results.append((tr, m))
+    (fold, mf), (sep, ms) = results
+    assert mf["train/advantage_abs_mean"] == pytest.approx(ms["train/advantage_abs_mean"], rel=1e-5)
+    for a, b in zip(fold.model.parameters(), sep.model.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+    for a, b in zip(fold.critic.parameters(), sep.critic.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)

@@ -331,6 +331,11 @@ class CriticConfig(_Strict):
                                                                       "set to 0 (AsyPPO k)")
     mask_high_frac: float = Field(default=0.2, ge=0, le=1, description="with N >= 2: the share with the highest std "
                                                                        "removed from the entropy bonus (AsyPPO h)")
+    separate_value_pass: bool = Field(
+        default=False, description="the pre-update values from a no-gradient value pass of their own in the score "
+                                   "phase; false: from the first critic update's forward pass (the same values, one "
+                                   "critic forward fewer per step; one critic with its own backbone only: an ensemble "
+                                   "or a head critic always runs the separate pass)")
 
     @field_validator("backbone")
     @classmethod

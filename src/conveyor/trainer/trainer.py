@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -407,6 +408,17 @@ class Trainer:
             raise ConfigError("trainer.world_size > 1 (FSDP2 data parallelism) does not support: " + "; ".join(bad))
 
     @property
+    def folds_value_pass(self) -> bool:
+        """Whether the critic's pre-update values come from its first update's forward pass
+        (:meth:`critic_phase`): one critic with a backbone of its own and
+        ``critic.separate_value_pass=false``. An ensemble needs every critic's values before any
+        return is known (the returns regress on their mean); a head critic reads the policy's
+        hidden states, which the policy update changes."""
+        cc = self.critic_cfg
+        return (self.critic is not None and len(self.critics) == 1 and not cc.separate_value_pass
+                and not isinstance(self.critic, critic_lib.HeadCritic))
+
+    @property
     def in_critic_warmup(self) -> bool:
         """Whether critic-only warm-up steps remain (``critic.warmup_steps``; the policy waits at
         version 0 until they are done)."""
@@ -591,7 +603,11 @@ class Trainer:
         :meth:`score` (everything computed with the parameters before the update: proximal and
         reference log-probs, the critic's values) -> :meth:`assign_advantages` (per token) ->
         :meth:`policy_update` (one optimiser step per minibatch) -> :meth:`critic_update` (K
-        critic steps, ``loss.advantage=gae``) -> :meth:`step_metrics`.
+        critic steps, ``loss.advantage=gae``) -> :meth:`step_metrics`. With one critic of its own
+        backbone and ``critic.separate_value_pass=false`` (the default) the values come from the
+        first critic update's forward pass instead of a pass of their own: :meth:`critic_phase`
+        runs the values, the advantages and the K critic updates before the policy update (the
+        critic and the policy share no parameter, so the order changes nothing computed).
 
         A step whose loss or gradient norm is non-finite is skipped (no optimizer step, logged,
         ``train/skipped_nonfinite`` = 1) and still counts as a version, so the staleness
@@ -614,16 +630,22 @@ class Trainer:
         metrics: dict[str, float] = staleness_metrics(trajectories, self.version)
         batch = self.pack(trajectories)
         t_prox = time.perf_counter()
-        scores = self.score(batch)
+        fold = self.folds_value_pass
+        scores = self.score(batch, skip_values=fold)
         # the score phase minus the critic's and the reference policy's forward passes (their own keys)
         metrics["time/proximal_s"] = time.perf_counter() - t_prox - scores.value_seconds - scores.reference_seconds
         if self.has_reference:
             metrics["time/reference_s"] = scores.reference_seconds
-        self.assign_advantages(batch, scores)
+        if fold:  # values, advantages and the K critic updates in one phase, before the policy update
+            t_critic = time.perf_counter()
+            metrics.update(self.critic_phase(batch, scores))
+            metrics["time/critic_s"] = time.perf_counter() - t_critic
+        else:
+            self.assign_advantages(batch, scores)
         update = self.policy_update(batch, scores, window=int(metrics["staleness/max"]))
         metrics["time/proximal_s"] += update.proximal_seconds
         self.model.eval()
-        if self.critic is not None:
+        if self.critic is not None and not fold:
             t_critic = time.perf_counter()
             metrics.update(self.critic_update(batch, scores))
             # the K updates and the pre-update value forward of the score phase
@@ -678,12 +700,13 @@ class Trainer:
             total_micro_batches=len(mbs),
         )
 
-    def score(self, batch: StepBatch, *, values_only: bool = False) -> Scores:
+    def score(self, batch: StepBatch, *, values_only: bool = False, skip_values: bool = False) -> Scores:
         """Phase 2: what the update needs from the parameters before it (no gradient):
         proximal log-probs (the objective's choice, ``proximal.method``; AReaL eq. 5), the
         reference policy's log-probs (``loss.kl_coef > 0``) and the critic's values on every
         response token (``loss.advantage=gae``; observation tokens included, for the naive-GAE
-        ablation). ``values_only``: the critic's values alone (a critic warm-up step)."""
+        ablation). ``values_only``: the critic's values alone (a critic warm-up step).
+        ``skip_values``: no value pass (:meth:`critic_phase` computes them)."""
         n = len(batch.micro_batches)
         scores = Scores([None] * n, [None] * n, [None] * n, [None] * n, [None] * n, value_std=[None] * n,
                         entropy_keep=[None] * n, critic_values=[None] * n)
@@ -703,7 +726,7 @@ class Trainer:
                     t_r = time.perf_counter()
                     scores.reference[j] = self._reference_logprobs(mb)
                     scores.reference_seconds += time.perf_counter() - t_r
-                if self.critic is not None:
+                if self.critic is not None and not skip_values:
                     t_v = time.perf_counter()
                     resp = (mb.response_index >= 0).float()
                     if len(self.critics) == 1:
@@ -755,51 +778,63 @@ class Trainer:
         clamped to ``critic.value_bounds`` first where set (:func:`conveyor.trainer.gae.clamp_values`).
         Optional whitening over the batch's action tokens (``critic.whiten_advantages``).
         """
-        cc = self.critic_cfg
         seq_adv = torch.zeros(len(batch.trajectories))
-        for j, mb in enumerate(batch.micro_batches):
-            pos, s_idx, k_idx, S, T = _response_layout(mb)
-            action = torch.zeros(S, T)
-            action[s_idx, k_idx] = mb.mask.reshape(-1)[pos]
-            valid = torch.zeros(S, T)
-            valid[s_idx, k_idx] = 1.0
-            values = torch.zeros(S, T)
-            values[s_idx, k_idx] = scores.values[j].reshape(-1)[pos]
-            values = gae_lib.clamp_values(values, cc.value_bounds)  # critic.value_bounds (null: unchanged)
-            rewards = torch.zeros(S, T)
-            n_act = action.sum(-1)
-            has = n_act > 0
-            last = (action * torch.arange(1, T + 1)).argmax(-1)  # last action token of each row
-            r = torch.tensor([float(batch.trajectories[i].reward) for i in mb.indices])
-            rewards[has.nonzero().squeeze(-1), last[has]] = r[has]
-            padded = bool(batch.padded and batch.padded[j])  # a zero-weight copy: no action token
-            for s_, i in enumerate([] if padded else mb.indices):  # multi-turn: each turn's reward on its token
-                turns = batch.trajectories[i].turn_rewards
-                if turns:
-                    rewards[s_] = 0.0
-                    for k, rew in turns:
-                        if not (0 <= int(k) < T and action[s_, int(k)] > 0):
-                            raise ValueError(f"trajectory {batch.trajectories[i].sample.id}: turn reward at response "
-                                             f"token {k}, which is not an action token")
-                        rewards[s_, int(k)] += float(rew)
-            policy_lam = (gae_lib.adaptive_lambda(n_act, cc.lam_alpha) if cc.policy_lam == "adaptive"
-                          else float(cc.policy_lam))
-            if cc.values == "turn":
-                adv, _ = gae_lib.turn_level_gae(rewards, values, action, gamma=cc.gamma, lam=policy_lam)
-                _, ret = gae_lib.turn_level_gae(rewards, values, action, gamma=cc.gamma, lam=cc.lam)
-            else:
-                adv, ret = gae_lib.decoupled_gae(rewards, values, action, gamma=cc.gamma, policy_lam=policy_lam,
-                                                 critic_lam=cc.lam, skip_observations=cc.skip_observations,
-                                                 valid_mask=valid)
-            flat_adv = torch.zeros(mb.mask.numel())
-            flat_adv[pos] = adv[s_idx, k_idx]
-            flat_ret = torch.zeros(mb.mask.numel())
-            flat_ret[pos] = ret[s_idx, k_idx]
-            mb.advantages = flat_adv.reshape(mb.mask.shape) * mb.mask
-            scores.returns[j] = flat_ret.reshape(mb.mask.shape) * mb.mask
-            if not padded:  # a padding copy's trajectories are another's
-                idx = torch.tensor(mb.indices, dtype=torch.long)
-                seq_adv[idx] = (adv * action).sum(-1) / n_act.clamp(min=1)
+        for j in range(len(batch.micro_batches)):
+            self._gae_micro_batch(batch, scores, j, seq_adv)
+        self._gae_finish(batch, scores, seq_adv)
+
+    def _gae_micro_batch(self, batch: StepBatch, scores: Scores, j: int, seq_adv: torch.Tensor) -> None:
+        """:meth:`_gae` on micro-batch ``j`` alone (its advantages and ``scores.returns[j]`` need
+        ``scores.values[j]`` only); each of its trajectories' mean advantage into ``seq_adv [B]``."""
+        cc = self.critic_cfg
+        mb = batch.micro_batches[j]
+        pos, s_idx, k_idx, S, T = _response_layout(mb)
+        action = torch.zeros(S, T)
+        action[s_idx, k_idx] = mb.mask.reshape(-1)[pos]
+        valid = torch.zeros(S, T)
+        valid[s_idx, k_idx] = 1.0
+        values = torch.zeros(S, T)
+        values[s_idx, k_idx] = scores.values[j].reshape(-1)[pos]
+        values = gae_lib.clamp_values(values, cc.value_bounds)  # critic.value_bounds (null: unchanged)
+        rewards = torch.zeros(S, T)
+        n_act = action.sum(-1)
+        has = n_act > 0
+        last = (action * torch.arange(1, T + 1)).argmax(-1)  # last action token of each row
+        r = torch.tensor([float(batch.trajectories[i].reward) for i in mb.indices])
+        rewards[has.nonzero().squeeze(-1), last[has]] = r[has]
+        padded = bool(batch.padded and batch.padded[j])  # a zero-weight copy: no action token
+        for s_, i in enumerate([] if padded else mb.indices):  # multi-turn: each turn's reward on its token
+            turns = batch.trajectories[i].turn_rewards
+            if turns:
+                rewards[s_] = 0.0
+                for k, rew in turns:
+                    if not (0 <= int(k) < T and action[s_, int(k)] > 0):
+                        raise ValueError(f"trajectory {batch.trajectories[i].sample.id}: turn reward at response "
+                                         f"token {k}, which is not an action token")
+                    rewards[s_, int(k)] += float(rew)
+        policy_lam = (gae_lib.adaptive_lambda(n_act, cc.lam_alpha) if cc.policy_lam == "adaptive"
+                      else float(cc.policy_lam))
+        if cc.values == "turn":
+            adv, _ = gae_lib.turn_level_gae(rewards, values, action, gamma=cc.gamma, lam=policy_lam)
+            _, ret = gae_lib.turn_level_gae(rewards, values, action, gamma=cc.gamma, lam=cc.lam)
+        else:
+            adv, ret = gae_lib.decoupled_gae(rewards, values, action, gamma=cc.gamma, policy_lam=policy_lam,
+                                             critic_lam=cc.lam, skip_observations=cc.skip_observations,
+                                             valid_mask=valid)
+        flat_adv = torch.zeros(mb.mask.numel())
+        flat_adv[pos] = adv[s_idx, k_idx]
+        flat_ret = torch.zeros(mb.mask.numel())
+        flat_ret[pos] = ret[s_idx, k_idx]
+        mb.advantages = flat_adv.reshape(mb.mask.shape) * mb.mask
+        scores.returns[j] = flat_ret.reshape(mb.mask.shape) * mb.mask
+        if not padded:  # a padding copy's trajectories are another's
+            idx = torch.tensor(mb.indices, dtype=torch.long)
+            seq_adv[idx] = (adv * action).sum(-1) / n_act.clamp(min=1)
+
+    def _gae_finish(self, batch: StepBatch, scores: Scores, seq_adv: torch.Tensor) -> None:
+        """:meth:`_gae`'s batch-wide part, after every micro-batch: the per-trajectory means of all
+        processes, whitening, an ensemble's uncertainty masks."""
+        cc = self.critic_cfg
         if self.dp is not None:  # every trajectory's figure comes from the one process that has it
             seq_adv = torch.stack(dp_lib.all_gather(seq_adv, self.dp.world_size)).sum(0)
         if cc.whiten_advantages:
@@ -887,13 +922,57 @@ class Trainer:
         metrics.update(scores.ensemble_metrics)
         return metrics
 
+    def critic_phase(self, batch: StepBatch, scores: Scores) -> dict[str, float]:
+        """Phases 2-3 and 5 in one (:attr:`folds_value_pass`): the critic's pre-update values,
+        the advantages and returns (:meth:`_gae`) and the K critic updates, the values taken from
+        the first update's forward pass (with gradient) instead of a value pass of their own.
+        Micro-batch ``j``'s returns need only its own values, so each micro-batch's GAE runs
+        right after its forward pass and before its backward pass. The values and everything
+        computed from them are those of the separate pass (same parameters, same inputs); one
+        critic forward pass per step fewer (~10% of an SAO step of SmolLM2 on this CPU,
+        docs/results/sao.md). A micro-batch after a non-finite loss (the update is skipped) gets
+        its values from a pass without gradient. The first update's forward runs in train mode:
+        a critic whose backbone has active dropout would see values that differ from an
+        eval-mode pass (SmolLM2 and the presets have none; ``critic.separate_value_pass=true``
+        otherwise).
+
+        Returns:
+            :meth:`critic_update`'s metrics.
+        """
+        mbs = batch.micro_batches
+        seq_adv = torch.zeros(len(batch.trajectories))
+
+        def first_pass(j: int, grad: bool) -> torch.Tensor:
+            mb = mbs[j]
+            resp = (mb.response_index >= 0).float()  # every response token (the naive-GAE ablation reads observations)
+            with torch.set_grad_enabled(grad):
+                v = self._values(mb, mask=resp)
+            scores.values[j] = v.detach()
+            self._gae_micro_batch(batch, scores, j, seq_adv)
+            return torch.where(mb.mask != 0, v, torch.zeros((), dtype=v.dtype))  # action tokens (the value loss's)
+
+        metrics = self._critic_update_one(self.critic, self.critic_updater, mbs, scores, [mb.mask for mb in mbs],
+                                          scores.values, first_pass=first_pass)
+        for j in range(len(mbs)):  # (only when the update had no counted token at all)
+            if scores.values[j] is None:
+                first_pass(j, grad=False)
+        if id(self.critic) in self._roots:  # FSDP2: a forward without backward leaves the root gathered
+            self._roots[id(self.critic)].reshard()
+        self._gae_finish(batch, scores, seq_adv)
+        return metrics
+
     def _critic_update_one(self, critic, up: Updater, mbs: list[PackedBatch], scores: Scores,
-                           masks: list[torch.Tensor], old_values: list[torch.Tensor]) -> dict[str, float]:
+                           masks: list[torch.Tensor], old_values: list[torch.Tensor | None], *,
+                           first_pass: Callable[[int, bool], torch.Tensor] | None = None) -> dict[str, float]:
         """K optimiser steps of one critic on the tokens of ``masks`` (one ``[R, L]`` per
         micro-batch), value clipping around its own pre-update ``old_values``. With data
         parallelism every process runs a pass on each of its micro-batches (one without a
         counted token with a zero loss), the token-mean's denominator and the finite check are
-        the whole batch's, and the metrics combine every process's sums."""
+        the whole batch's, and the metrics combine every process's sums.
+
+        ``first_pass(j, grad)`` (:meth:`critic_phase`): the first update's values of micro-batch
+        ``j`` (masked to ``masks[j]``), which also fills ``old_values[j]`` and ``scores.returns[j]``;
+        every micro-batch goes through it once (without gradient after a non-finite loss)."""
         cc = self.critic_cfg
         dp = self.dp
         denom = sum(float(m.sum()) for m in masks)
@@ -901,20 +980,27 @@ class Trainer:
             denom = dp_lib.all_sum(denom)
         metrics: dict[str, float] = {}
         if denom == 0:
-            return metrics
+            return metrics  # (critic_phase then runs first_pass without gradient)
         critic.train()
         kinds: dict[str, float] = {"attention": 0.0, "mlp": 0.0, "other": 0.0}
         losses, skipped, norms = [], 0, []
         first = None
-        for _ in range(cc.updates_per_step):
+        for u in range(cc.updates_per_step):
             up.zero_grad()
             outs = []
             finite = True
+            folded = first_pass is not None and u == 0  # the values come from this pass
             for j, mb in enumerate(mbs):
                 m = masks[j]
+                if not finite and dp is None:  # (folded: the values the advantages still need)
+                    first_pass(j, False)
+                    continue
                 if not bool((m > 0).any()) and dp is None:
+                    if folded:
+                        first_pass(j, False)
                     continue  # (data parallelism: a zero-loss pass keeps the collectives in step)
-                v = self._values(mb, mask=m, critic=critic)
+                v = first_pass(j, True) if folded else self._values(mb, mask=m, critic=critic)
+                # (old_values[j] read after first_pass, which sets it)
                 out = critic_lib.value_loss(v, scores.returns[j], m, old_values=old_values[j] * m,
                                             clip=cc.value_clip)
                 loss = out.loss_sum / denom
@@ -923,7 +1009,10 @@ class Trainer:
                 if not torch.isfinite(loss):
                     finite = False
                     if dp is None:
-                        break
+                        if not folded:
+                            break
+                        del loss, v
+                        continue
                     loss = loss * 0.0  # keep the collectives in step; the update is skipped below
                 loss.backward()
                 outs.append(dataclasses.replace(out, loss_sum=out.loss_sum.detach()))
@@ -976,9 +1065,12 @@ class Trainer:
             raise ValueError("critic_warmup_step: empty batch")
         t0 = time.perf_counter()
         batch = self.pack(trajectories)
-        scores = self.score(batch, values_only=True)
-        self._gae(batch, scores)
-        metrics = self.critic_update(batch, scores)
+        if self.folds_value_pass:
+            metrics = self.critic_phase(batch, self.score(batch, values_only=True, skip_values=True))
+        else:
+            scores = self.score(batch, values_only=True)
+            self._gae(batch, scores)
+            metrics = self.critic_update(batch, scores)
         self.critic_warmup_done += 1
         rewards = torch.tensor([t.reward for t in trajectories])
         tokens = float(sum(mb.num_tokens for mb in batch.micro_batches))
