@@ -45,6 +45,14 @@ forward / backward / AdamW step, GAE, packing, metrics); ``critic/updates`` (cri
 taken per update, the fewest over the row's updates: K unless one was skipped); peak memory;
 tokens (loss tokens = action tokens; forward positions = packed non-padding positions).
 
+FLOPs (``torch.utils.flop_counter.FlopCounterMode``: matrix products and attention, counted from
+the shapes, so exact and independent of the machine's load; elementwise work is not counted):
+``gflop_step``, one more update after the timed ones; ``gflop_values``, the score phase alone,
+which with KL off and the proximal log-probs taken from the update's own forward pass is the
+critic's value inference (0 where the values come from the first critic update);
+``critic_gflop``, a row's update minus the update of row 2 (no critic, the same single-response
+layout), i.e. the critic's value inference plus its K updates (needs row 2 in the run).
+
 Peak memory: the process's resident-set high-water mark (``VmHWM``) over the row (model copy,
 trainer construction, warm-up and timed updates) minus the resident set just before the row,
 after ``gc.collect()`` and ``malloc_trim``. ``ru_maxrss`` (what ``benchmarks/trainer.py`` reads,
@@ -200,6 +208,17 @@ def run_row(base_model, batch, spec: dict, *, repeats: int, bf16, lr: float, tem
         m = trainer.train_step(batch)
         steps.append((time.perf_counter() - t0, m))
     peak = _status_kb("VmHWM") if can_peak else None
+    # FLOPs (matrix products and attention, torch.utils.flop_counter): one more update, untimed,
+    # and the score phase alone (KL off and the proximal log-probs from the update's own forward:
+    # the critic's value inference, 0 where the values come from the first critic update)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as fc:
+        trainer.train_step(batch)
+    flop_step = fc.get_total_flops()
+    with FlopCounterMode(display=False) as fc:
+        trainer.score(trainer.pack(batch), skip_values=trainer.folds_value_pass)
+    flop_score = fc.get_total_flops()
     timed = steps[1:]
     secs = [s for s, _ in timed]
     # time/critic_s = the K updates + the score phase's value forward (time/critic_values_s)
@@ -214,6 +233,8 @@ def run_row(base_model, batch, spec: dict, *, repeats: int, bf16, lr: float, tem
         "score_s": statistics.median(sc),
         "rest_s": statistics.median([s - c - v for s, c, v in zip(secs, critic_s, sc)]),
         "warmup_s": steps[0][0],
+        "gflop_step": flop_step / 1e9,
+        "gflop_values": flop_score / 1e9,
         "tokens": loss_tokens,
         "positions": positions,
         "trajectories": len(batch),
@@ -238,8 +259,8 @@ def run_row(base_model, batch, spec: dict, *, repeats: int, bf16, lr: float, tem
 def table(rows: list[dict]) -> str:
     """The markdown table of the rows (ratios against the first row, GRPO)."""
     head = ("| row | s / update | x GRPO | critic s (K updates) | score s (value fwd) | rest s | peak GB | x GRPO "
-            "| critic/updates | loss tokens | forward positions |")
-    out = [head, "|" + "---|" * 11]
+            "| critic/updates | loss tokens | forward positions | GFLOP / update | critic GFLOP | value GFLOP |")
+    out = [head, "|" + "---|" * 14]
 
     def f(x, spec):
         return "-" if x is None else format(x, spec)
@@ -248,7 +269,8 @@ def table(rows: list[dict]) -> str:
         out.append(
             f"| {r['name']} | {r['seconds']:.3f} | {r['ratio_seconds']:.2f} | {r['critic_s']:.3f} "
             f"| {r['score_s']:.3f} | {r['rest_s']:.3f} | {f(r['peak_delta_gb'], '.3f')} "
-            f"| {f(r['ratio_memory'], '.2f')} | {f(r.get('critic/updates'), '.0f')} | {r['tokens']} | {r['positions']} |"
+            f"| {f(r['ratio_memory'], '.2f')} | {f(r.get('critic/updates'), '.0f')} | {r['tokens']} | {r['positions']} "
+            f"| {r['gflop_step']:.1f} | {f(r.get('critic_gflop'), '.1f')} | {r['gflop_values']:.1f} |"
         )
     return "\n".join(out)
 
@@ -305,6 +327,11 @@ def main(argv: list[str] | None = None) -> dict:
                              if r["peak_delta_gb"] is not None and ref["peak_delta_gb"] else None)
         print(json.dumps({k: v for k, v in r.items() if k != "precision_note"}), flush=True)
         rows.append(r)
+    # the critic's FLOPs: a row's update minus the no-critic update on the same single-response layout
+    nocritic = next((r for r in rows if r["name"] == "grpo, prompts not shared"), None)
+    for r in rows:
+        if nocritic is not None and r["advantage"] == "gae":
+            r["critic_gflop"] = r["gflop_step"] - nocritic["gflop_step"]
     print(f"\nmodel {args.model}, {args.trajectories} trajectories, {args.threads} threads, "
           f"{rows[0]['precision_note']}; KL off (loss.kl_coef=0) in every row, so the comparison isolates the critic; "
           f"median of {args.repeats} update(s) after one warm-up; peak GB = resident-set high-water mark over the "

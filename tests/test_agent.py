@@ -81,7 +81,7 @@ def test_per_turn_rewards_reach_the_advantages(tiny):
 
     tr = Trainer(copy.deepcopy(tiny.model), TrainerConfig(bf16=False), LossConfig(name="dis", advantage="gae", kl_coef=0.0),
                  critic_cfg=CriticConfig(policy_lam=1.0, backbone="head:4"))
-    tr._values = lambda mb, mask, critic=None: torch.zeros(mb.mask.shape)
+    tr._values = lambda mb, mask, critic=None, **_: torch.zeros(mb.mask.shape)
     # actions 0-1 | obs 2 | actions 3-4 | obs 5 | actions 6-7
     t = Trajectory(sample=Sample("a", "q", "1", "t"), group_id="g", prompt_ids=[5, 6, 7], response_ids=list(range(20, 28)),
                    behaviour_logprobs=[-1.0] * 8, versions=[0] * 8, reward=2.0,

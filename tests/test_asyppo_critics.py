@@ -68,6 +68,72 @@ def test_head_critic_training_step_leaves_the_policy_to_the_policy_optimizer(tin
     assert not torch.equal(w0["fc2.weight"], tr.critic.fc2.weight)
 
 
+@pytest.mark.parametrize("num_critics", [1, 2])
+def test_head_critics_share_one_policy_body_pass_per_phase(tiny, monkeypatch, num_critics):
+    """Every head critic and every one of the K updates reads the policy body's states of a
+    micro-batch computed once per parameter state: per micro-batch one body pass for the
+    pre-update values and one after the policy update (a warm-up step, where the policy does
+    not move: one in all), instead of up to N + N K; the values, metrics and parameters are those of
+    a body pass per call."""
+    small = {"micro_batch_tokens": 24, "pack_row_tokens": 24}  # several micro-batches
+    cfg = {"backbone": "head:8", "num_critics": num_critics, "updates_per_step": 2, "warmup_steps": 1}
+
+    def build():
+        torch.manual_seed(0)
+        return Trainer(copy.deepcopy(tiny.model), TrainerConfig(bf16=False, lr=1e-3, warmup_steps=0, **small),
+                       LossConfig(name="dis", advantage="gae", kl_coef=0.0, entropy_coef=0.01),
+                       critic_cfg=CriticConfig(**{"lr": 1e-2, **cfg}))
+
+    shared, plain = build(), build()
+    real = Trainer._values
+    monkeypatch.setattr(plain, "_values", lambda mb, mask, critic=None, **_: real(plain, mb, mask, critic))
+    counts = {}
+    for name, tr in (("shared", shared), ("plain", plain)):
+        calls = counts[name] = []
+        critic_lib._policy_body(tr.model).register_forward_hook(lambda *_, c=calls: c.append(1))
+    k, n = 2, num_critics
+    for kind, seed in (("warmup", 0), ("train", 1), ("train", 2)):
+        batch = [traj(i, 6 + i % 3, i % 2, i) for i in range(6)]
+        if seed:
+            batch = [traj(i + 10 * seed, 5 + i % 4, (i + seed) % 2, i) for i in range(6)]
+        n_mb = len(shared.pack(batch).micro_batches)
+        assert n_mb >= 3
+        before = len(counts["shared"]), len(counts["plain"])
+        # without sharing: N value passes and K update passes per critic and micro-batch (an
+        # ensemble's critic skips the micro-batches without a response of its shard)
+        if kind == "warmup":
+            ms, mp = shared.critic_warmup_step(batch), plain.critic_warmup_step(batch)
+            body_shared, body_plain = n_mb, (n + k) * n_mb
+        else:  # + the policy's own forward (its gradient pass)
+            ms, mp = shared.train_step(batch), plain.train_step(batch)
+            body_shared, body_plain = 3 * n_mb, (1 + n + k) * n_mb
+        assert len(counts["shared"]) - before[0] == body_shared, kind
+        if n == 1:
+            assert len(counts["plain"]) - before[1] == body_plain, kind
+        else:
+            assert len(counts["plain"]) - before[1] > body_plain, kind
+        assert ms["critic/updates"] == mp["critic/updates"] == n * k
+        for key in ("critic/value_loss", "critic/value_loss_last", "critic/explained_variance", "critic/value_mean",
+                    "critic/return_mean"):
+            assert ms[key] == pytest.approx(mp[key], rel=1e-6, abs=1e-8), key
+        if kind == "train":
+            assert ms["loss/loss"] == pytest.approx(mp["loss/loss"], rel=1e-6, abs=1e-8)
+        for a, b in zip([*shared.model.parameters(), *(p for c in shared.critics for p in c.parameters())],
+                        [*plain.model.parameters(), *(p for c in plain.critics for p in c.parameters())], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_head_critic_rejects_hidden_states_of_the_wrong_shape(tiny):
+    head = critic_lib.build_value_model(copy.deepcopy(tiny.model), "head:4")
+    ids, pos = torch.tensor([[5, 6, 7]]), torch.arange(3)[None]
+    h = head.body_states(ids, pos)
+    assert torch.equal(head(ids, pos, hidden=h), head(ids, pos))
+    with pytest.raises(ValueError, match="hidden must be"):
+        head(ids, pos, hidden=h[:, :2])
+    with pytest.raises(ValueError, match="HeadCritic only"):
+        critic_lib.token_values(critic_lib.build_value_model(copy.deepcopy(tiny.model), "tiny"), ids, pos, hidden=h)
+
+
 # ------------------------------------------------------------------ the ensemble
 def test_ensemble_shards_responses_j_mod_n(tiny):
     """Critic c trains on response j of each prompt with j mod 2 == c: changing the rewards of
@@ -104,7 +170,7 @@ def test_ensemble_value_is_the_mean_and_masks_follow_the_std(tiny):
     tr = make_trainer(tiny, num_critics=2, backbone="head:8", policy_lam=1.0)
     second = [0.1 * (k + 1) for k in range(10)]
 
-    def values(mb, mask, critic=None):
+    def values(mb, mask, critic=None, **_):
         out = torch.zeros(mb.mask.shape)
         if critic is tr.critics[1]:
             for r in range(out.shape[0]):

@@ -287,9 +287,24 @@ def test_critic_benchmark_quick(quick):
         assert row["critic/updates"] == k and row["critic/skipped_nonfinite"] == 0, row
         assert row["critic_s"] > 0 and row["score_s"] > 0 and row["rest_s"] > 0, row
         assert row["critic_s"] + row["score_s"] < row["seconds"], row
+    # FLOPs: a critic adds compute; the head critics' value inference is one policy-body pass for
+    # all of them (shared states), so two heads infer no more than one
+    for row in rows.values():
+        assert row["gflop_step"] > 0, row["name"]
+    assert grpo["gflop_values"] == 0 and "critic_gflop" not in grpo
+    for name in ("sao", "sao K=1", "sao attention trained", "sao critic policy:1", "sao critic head",
+                 "sao 2 head critics (asyppo)"):
+        assert rows[name]["critic_gflop"] > 0 and rows[name]["gflop_values"] > 0, name
+    assert rows["sao K=1"]["critic_gflop"] < rows["sao"]["critic_gflop"]
+    assert rows["sao critic head"]["critic_gflop"] < 0.6 * rows["sao"]["critic_gflop"]
+    # (a body pass per head critic would double both; the heads' own products are small)
+    assert rows["sao 2 head critics (asyppo)"]["gflop_values"] < 1.5 * rows["sao critic head"]["gflop_values"]
+    assert rows["sao 2 head critics (asyppo)"]["critic_gflop"] < 1.5 * rows["sao critic head"]["critic_gflop"]
     # values from the first critic update: no value pass of their own, the same critic steps
     folded = rows["sao, values from the first update"]
     assert folded["score_s"] == 0 and folded["critic_s"] > 0 and folded["critic/updates"] == 2
+    assert folded["gflop_values"] == 0
+    assert folded["critic_gflop"] == pytest.approx(rows["sao"]["critic_gflop"] - rows["sao"]["gflop_values"], rel=1e-3)
     assert folded["critic/value_loss"] == pytest.approx(rows["sao"]["critic/value_loss"], rel=1e-4)
     # frozen attention trains fewer critic parameters; policy:1 keeps fewer of them
     assert rows["sao"]["critic_trainable_params"] < rows["sao attention trained"]["critic_trainable_params"]

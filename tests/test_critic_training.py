@@ -38,7 +38,7 @@ def make_trainer(tiny, *, loss=None, critic=None, trainer=None):
 def fixed_values(tr, table):
     """Make the critic return ``table[trajectory index][response token]`` (for hand checks)."""
 
-    def values(mb, mask):
+    def values(mb, mask, critic=None, **_):
         out = torch.zeros(mb.mask.shape)
         for r in range(out.shape[0]):
             for j in range(out.shape[1]):

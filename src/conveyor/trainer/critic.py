@@ -486,12 +486,12 @@ class HeadCritic(nn.Module):
         """The policy body the head reads (not owned)."""
         return self._body[0]
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
-                attention_mask: Tensor | None = None) -> Tensor:
-        """Values of every state of the rows, aligned as :meth:`ValueModel.forward`.
-
-        Returns:
-            ``values [B, T]`` float32; gradients flow into the head only.
+    def body_states(self, input_ids: Tensor, position_ids: Tensor | None = None,
+                    attention_mask: Tensor | None = None) -> Tensor:
+        """The policy body's last hidden states ``[B, T, d]``, without gradient: what the head
+        reads. Every head critic of one policy reads the same states, so a caller may compute
+        them once per batch and policy version and pass them to :meth:`forward` (``hidden``);
+        the trainer does (``Trainer._values``).
 
         Raises:
             ValueError: ``input_ids`` not 2-D.
@@ -499,8 +499,29 @@ class HeadCritic(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got {list(input_ids.shape)}")
         with torch.no_grad():
-            hidden = self.body(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                               use_cache=False).last_hidden_state
+            return self.body(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                             use_cache=False).last_hidden_state
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
+                attention_mask: Tensor | None = None, *, hidden: Tensor | None = None) -> Tensor:
+        """Values of every state of the rows, aligned as :meth:`ValueModel.forward`.
+
+        Args:
+            hidden: Optional ``[B, T, d]``: :meth:`body_states` of these rows, computed before
+                with the policy's current parameters (the body's forward is then skipped; the
+                caller vouches that the parameters have not changed since).
+
+        Returns:
+            ``values [B, T]`` float32; gradients flow into the head only.
+
+        Raises:
+            ValueError: ``input_ids`` not 2-D; ``hidden`` not ``[B, T, d]``.
+        """
+        if hidden is None:
+            hidden = self.body_states(input_ids, position_ids, attention_mask)
+        elif input_ids.dim() != 2 or tuple(hidden.shape) != (*input_ids.shape, self.fc1.in_features):
+            raise ValueError(f"hidden must be [B, T, d] = {[*input_ids.shape, self.fc1.in_features]} for input_ids "
+                             f"{list(input_ids.shape)}, got {list(hidden.shape)}")
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             x = hidden.detach().float()
             values = self.fc2(nn.functional.gelu(self.fc1(x))).squeeze(-1)
@@ -514,6 +535,7 @@ def token_values(
     *,
     mask: Tensor | None = None,
     attention_mask: Tensor | None = None,
+    hidden: Tensor | None = None,
 ) -> Tensor:
     """``V(input_ids[:j+1])`` for every position of a packed row, aligned with the targets.
 
@@ -533,13 +555,16 @@ def token_values(
         attention_mask: Optional ``[R, 1, L, L]`` bool, True where a position may attend
             (``PackedBatch.attention_mask``); None = block-diagonal causal attention from
             ``position_ids``.
+        hidden: Optional ``[R, L, d]``, a :class:`HeadCritic` only: the policy body's states of
+            these rows (:meth:`HeadCritic.body_states`), so that the body's forward is skipped.
 
     Returns:
         ``values [R, L]`` float32.
 
     Raises:
-        ValueError: ``input_ids``, ``position_ids`` (and ``mask``) not all ``[R, L]``, or an
-            ``attention_mask`` that is not ``[R, 1, L, L]``.
+        ValueError: ``input_ids``, ``position_ids`` (and ``mask``) not all ``[R, L]``, an
+            ``attention_mask`` that is not ``[R, 1, L, L]``, or ``hidden`` for a model that is not
+            a :class:`HeadCritic`.
     """
     if input_ids.dim() != 2 or position_ids.shape != input_ids.shape or (
             mask is not None and mask.shape != input_ids.shape):
@@ -550,7 +575,12 @@ def token_values(
     R, L = input_ids.shape
     if attention_mask is not None and tuple(attention_mask.shape) != (R, 1, L, L):
         raise ValueError(f"attention_mask must be [R, 1, L, L] = {[R, 1, L, L]}, got {list(attention_mask.shape)}")
-    values = model(input_ids, position_ids=position_ids, attention_mask=attention_mask)
+    if hidden is not None:
+        if not isinstance(model, HeadCritic):
+            raise ValueError(f"hidden states are read by a HeadCritic only, not by {type(model).__name__}")
+        values = model(input_ids, position_ids=position_ids, attention_mask=attention_mask, hidden=hidden)
+    else:
+        values = model(input_ids, position_ids=position_ids, attention_mask=attention_mask)
     if mask is not None:
         values = torch.where(mask != 0, values, torch.zeros((), dtype=values.dtype, device=values.device))
     return values

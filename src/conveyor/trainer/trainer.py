@@ -468,15 +468,29 @@ class Trainer:
                 entropy_grad=entropy_grad,
             )
 
-    def _values(self, mb: PackedBatch, mask: torch.Tensor, critic=None) -> torch.Tensor:
+    def _values(self, mb: PackedBatch, mask: torch.Tensor, critic=None, *,
+                body_states: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """A critic's values ``[R, L]`` (float32) at the positions where ``mask`` > 0
-        (``critic``: default the first); through its FSDP2 root with data parallelism."""
+        (``critic``: default the first); through its FSDP2 root with data parallelism.
+
+        ``body_states``: for a head critic (``critic.backbone=head``), the policy body's hidden
+        states of each micro-batch by ``id(mb)``, filled on first use: every head critic of an
+        ensemble and every one of the K updates reads them instead of running the policy body
+        again. The caller scopes the dict to one state of the policy's parameters (a phase that
+        takes no policy step); the values are the same as without it."""
         critic = critic if critic is not None else self.critic
         root = self._roots.get(id(critic))
         fn = critic_lib.token_values
         call = fn if root is None else (lambda m, *a, **k: root(fn, *a, **k))
         with self._autocast():
-            return call(critic, mb.input_ids, mb.position_ids, mask=mask, attention_mask=mb.attention_mask)
+            hidden = None
+            if body_states is not None and isinstance(critic, critic_lib.HeadCritic):
+                hidden = body_states.get(id(mb))
+                if hidden is None:
+                    hidden = body_states[id(mb)] = critic.body_states(mb.input_ids, mb.position_ids,
+                                                                      mb.attention_mask)
+            return call(critic, mb.input_ids, mb.position_ids, mask=mask, attention_mask=mb.attention_mask,
+                        hidden=hidden)
 
     @dp_lib.collective()
     def weight_update(self) -> WeightUpdate:
@@ -700,14 +714,17 @@ class Trainer:
             total_micro_batches=len(mbs),
         )
 
-    def score(self, batch: StepBatch, *, values_only: bool = False, skip_values: bool = False) -> Scores:
+    def score(self, batch: StepBatch, *, values_only: bool = False, skip_values: bool = False,
+              body_states: dict[int, torch.Tensor] | None = None) -> Scores:
         """Phase 2: what the update needs from the parameters before it (no gradient):
         proximal log-probs (the objective's choice, ``proximal.method``; AReaL eq. 5), the
         reference policy's log-probs (``loss.kl_coef > 0``) and the critic's values on every
         response token (``loss.advantage=gae``; observation tokens included, for the naive-GAE
         ablation). ``values_only``: the critic's values alone (a critic warm-up step).
-        ``skip_values``: no value pass (:meth:`critic_phase` computes them)."""
+        ``skip_values``: no value pass (:meth:`critic_phase` computes them). ``body_states``: the
+        head critics' shared policy-body states (:meth:`_values`; default: this phase's own)."""
         n = len(batch.micro_batches)
+        body_states = {} if body_states is None else body_states
         scores = Scores([None] * n, [None] * n, [None] * n, [None] * n, [None] * n, value_std=[None] * n,
                         entropy_keep=[None] * n, critic_values=[None] * n)
         # With one optimizer step per batch the parameters before the update are the ones of the
@@ -730,9 +747,10 @@ class Trainer:
                     t_v = time.perf_counter()
                     resp = (mb.response_index >= 0).float()
                     if len(self.critics) == 1:
-                        scores.values[j] = self._values(mb, mask=resp)
+                        scores.values[j] = self._values(mb, mask=resp, body_states=body_states)
                     else:  # the ensemble's mean, and its per-token std (AsyPPO)
-                        each = torch.stack([self._values(mb, mask=resp, critic=c) for c in self.critics])
+                        each = torch.stack([self._values(mb, mask=resp, critic=c, body_states=body_states)
+                                            for c in self.critics])
                         mean, std = ensemble_lib.ensemble_stats(each, resp)
                         scores.values[j], scores.value_std[j] = mean * resp, std * resp
                         scores.critic_values[j] = each  # [N, R, L]: each critic's own (value clipping)
@@ -878,7 +896,8 @@ class Trainer:
             "critic/entropy_masked_frac": float((ent_keep == 0).sum()) / n_tok,
         }
 
-    def critic_update(self, batch: StepBatch, scores: Scores) -> dict[str, float]:
+    def critic_update(self, batch: StepBatch, scores: Scores, *,
+                      body_states: dict[int, torch.Tensor] | None = None) -> dict[str, float]:
         """Phase 5 (``loss.advantage=gae``): ``critic.updates_per_step`` (K) optimiser steps of the
         critic on the returns computed once with the pre-update critic (SAO, MISSION.md section 3),
         each over the whole batch: ``0.5 (V - R)^2``, a token-mean over action tokens (observation
@@ -886,7 +905,10 @@ class Trainer:
         ``critic.num_critics`` N >= 2 (AsyPPO, MISSION.md section 4) critic ``c`` trains on its
         shard only: response ``j`` of each prompt goes to critic ``j mod N``
         (:func:`conveyor.trainer.ensemble.critic_sample_masks`); with one response per prompt
-        (single-rollout streaming) the batch position takes the place of ``j``.
+        (single-rollout streaming) the batch position takes the place of ``j``. Head critics
+        (``critic.backbone=head``) read the policy body's states of each micro-batch computed
+        once for all K updates and all N critics (``body_states``, :meth:`_values`; default: this
+        phase's own, the policy's parameters being those after its update).
 
         Returns:
             ``critic/*`` metrics: value loss of the first and last update, explained variance of
@@ -897,9 +919,10 @@ class Trainer:
         """
         mbs = batch.micro_batches
         n = len(self.critics)
+        body_states = {} if body_states is None else body_states
         if n == 1:  # (no counted token: {} from the update itself, whose denominator is the same sum)
             return self._critic_update_one(self.critic, self.critic_updater, mbs, scores, [mb.mask for mb in mbs],
-                                           scores.values)
+                                           scores.values, body_states=body_states)
         if sum(float(mb.mask.sum()) for mb in mbs) == 0:  # (an ensemble: never data-parallel)
             return {}
         trajs = batch.trajectories
@@ -914,7 +937,8 @@ class Trainer:
                 own = shard[c][torch.tensor(mb.indices, dtype=torch.long)].float()  # [S] of this micro-batch
                 masks.append(mb.mask * own[mb.seq_index.clamp(min=0)] * (mb.seq_index >= 0))
             old = [scores.critic_values[j][c] for j in range(len(mbs))]
-            per.append(self._critic_update_one(self.critics[c], self.critic_updaters[c], mbs, scores, masks, old))
+            per.append(self._critic_update_one(self.critics[c], self.critic_updaters[c], mbs, scores, masks, old,
+                                               body_states=body_states))
         keys = {k for m in per for k in m}
         metrics = {k: sum(m[k] for m in per if k in m) / sum(1 for m in per if k in m) for k in keys}
         metrics["critic/updates"] = sum(m.get("critic/updates", 0.0) for m in per)
@@ -963,7 +987,8 @@ class Trainer:
 
     def _critic_update_one(self, critic, up: Updater, mbs: list[PackedBatch], scores: Scores,
                            masks: list[torch.Tensor], old_values: list[torch.Tensor | None], *,
-                           first_pass: Callable[[int, bool], torch.Tensor] | None = None) -> dict[str, float]:
+                           first_pass: Callable[[int, bool], torch.Tensor] | None = None,
+                           body_states: dict[int, torch.Tensor] | None = None) -> dict[str, float]:
         """K optimiser steps of one critic on the tokens of ``masks`` (one ``[R, L]`` per
         micro-batch), value clipping around its own pre-update ``old_values``. With data
         parallelism every process runs a pass on each of its micro-batches (one without a
@@ -999,7 +1024,7 @@ class Trainer:
                     if folded:
                         first_pass(j, False)
                     continue  # (data parallelism: a zero-loss pass keeps the collectives in step)
-                v = first_pass(j, True) if folded else self._values(mb, mask=m, critic=critic)
+                v = first_pass(j, True) if folded else self._values(mb, mask=m, critic=critic, body_states=body_states)
                 # (old_values[j] read after first_pass, which sets it)
                 out = critic_lib.value_loss(v, scores.returns[j], m, old_values=old_values[j] * m,
                                             clip=cc.value_clip)
@@ -1067,10 +1092,11 @@ class Trainer:
         batch = self.pack(trajectories)
         if self.folds_value_pass:
             metrics = self.critic_phase(batch, self.score(batch, values_only=True, skip_values=True))
-        else:
-            scores = self.score(batch, values_only=True)
+        else:  # no policy step in a warm-up step: one set of policy-body states for the head critics
+            body_states: dict[int, torch.Tensor] = {}
+            scores = self.score(batch, values_only=True, body_states=body_states)
             self._gae(batch, scores)
-            metrics = self.critic_update(batch, scores)
+            metrics = self.critic_update(batch, scores, body_states=body_states)
         self.critic_warmup_done += 1
         rewards = torch.tensor([t.reward for t in trajectories])
         tokens = float(sum(mb.num_tokens for mb in batch.micro_batches))
