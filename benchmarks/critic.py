@@ -158,7 +158,7 @@ def rows_spec(critic_layers: int) -> list[dict]:
         {"name": "grpo, prompts not shared", "loss": "decoupled_ppo", "advantage": "grpo", "layout": "grpo",
          "share_prompts": False},
         {"name": "sao", **sao, "K": 2, "freeze_attention": True, "backbone": "policy"},
-        # the default since 2026-12-03: the values from the first critic update's forward pass
+        # the default since 2026-12-04: the values from the first critic update's forward pass
         {"name": "sao, values from the first update", **sao, "K": 2, "freeze_attention": True, "backbone": "policy",
          "separate_value_pass": False},
         {"name": "sao K=1", **sao, "K": 1, "freeze_attention": True, "backbone": "policy"},
