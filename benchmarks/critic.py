@@ -34,7 +34,9 @@ rows do not influence each other; one warm-up update, then ``--repeats`` timed u
 5. ``sao K=1``; 6. ``sao attention trained`` (``freeze_attention=False``); 7. ``sao critic
    policy:L`` (the critic's backbone the policy's first ``--critic-layers`` layers); 8. ``sao critic
    head`` (AsyPPO's lightweight critic: a two-layer head on the policy's detached hidden states,
-   ``critic.backbone=head``); 9. ``sao 2 head critics (asyppo)`` (``critic.num_critics=2``).
+   ``critic.backbone=head``); 9. ``sao 2 head critics (asyppo)`` (``critic.num_critics=2``);
+10. ``sao critic lora r8`` (row 3 with LoRA adapters of rank 8 on the critic's backbone,
+   ``critic.lora_rank=8``: only the adapters and the value head train; needs peft).
 
 KL is off in every row (``loss.kl_coef=0``: no reference model, no reference pass), so the
 comparison isolates the critic. Per row: seconds per update (wall clock around
@@ -68,6 +70,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -170,6 +173,9 @@ def rows_spec(critic_layers: int) -> list[dict]:
         {"name": "sao critic head", **sao, "K": 2, "freeze_attention": True, "backbone": "head"},
         {"name": "sao 2 head critics (asyppo)", **sao, "K": 2, "freeze_attention": True, "backbone": "head",
          "num_critics": 2},
+        # LoRA on the full critic's backbone (critic.lora_rank; issue 15); skipped without peft
+        *([{"name": "sao critic lora r8", **sao, "K": 2, "freeze_attention": True, "backbone": "policy",
+            "lora_rank": 8}] if importlib.util.find_spec("peft") is not None else []),
     ]
 
 
@@ -195,7 +201,8 @@ def run_row(base_model, batch, spec: dict, *, repeats: int, bf16, lr: float, tem
     if spec["advantage"] == "gae":
         ccfg = CriticConfig(updates_per_step=spec["K"], freeze_attention=spec["freeze_attention"],
                             backbone=spec["backbone"], num_critics=spec.get("num_critics", 1),
-                            separate_value_pass=spec.get("separate_value_pass", True))
+                            separate_value_pass=spec.get("separate_value_pass", True),
+                            lora_rank=spec.get("lora_rank", 0))
     trainer = Trainer(model, tcfg, lcfg, temperature=temperature, critic_cfg=ccfg)
 
     mbs = trainer.pack(batch).micro_batches

@@ -331,6 +331,11 @@ class CriticConfig(_Strict):
                                                                       "set to 0 (AsyPPO k)")
     mask_high_frac: float = Field(default=0.2, ge=0, le=1, description="with N >= 2: the share with the highest std "
                                                                        "removed from the entropy bonus (AsyPPO h)")
+    lora_rank: int = Field(default=0, ge=0, description="r > 0: LoRA adapters of rank r on the critic backbone's "
+                                                         "linear projections (peft); only they and the value head "
+                                                         "train (with freeze_attention: none on the attention); 0 = "
+                                                         "the critic's weights train (a backbone of its own only)")
+    lora_alpha: float = Field(default=16.0, gt=0, description="the critic adapters' scale alpha (alpha / r)")
     separate_value_pass: bool = Field(
         default=False, description="the pre-update values from a no-gradient value pass of their own in the score "
                                    "phase; false: from the first critic update's forward pass (the same values, one "
@@ -358,6 +363,13 @@ class CriticConfig(_Strict):
         if v is not None and not (math.isfinite(v[0]) and math.isfinite(v[1]) and v[0] < v[1]):
             raise ValueError(f"value_bounds must be [lo, hi] with finite lo < hi, got {list(v)}")
         return v
+
+    @model_validator(mode="after")
+    def _lora_needs_a_backbone(self):
+        if self.lora_rank > 0 and self.backbone.startswith("head"):
+            raise ValueError(f"critic.lora_rank={self.lora_rank} with critic.backbone={self.backbone}: a head critic "
+                             f"has no backbone of its own to adapt (its head trains whole); set lora_rank=0")
+        return self
 
     @field_validator("policy_lam")
     @classmethod
@@ -779,6 +791,8 @@ def data_parallel_unsupported(trainer: TrainerConfig, loss: LossConfig, proximal
             bad.append(f"critic.num_critics={cc.num_critics} (the ensemble's uncertainty masks need the whole batch)")
         if cc.backbone.startswith("head"):
             bad.append(f"critic.backbone={cc.backbone} (it reads the sharded policy's hidden states)")
+        if cc.lora_rank > 0:
+            bad.append(f"critic.lora_rank={cc.lora_rank} (a LoRA critic is not sharded yet)")
     if trainer.minibatches != 1:
         bad.append(f"trainer.minibatches={trainer.minibatches}")
     if proximal.method not in ("recompute", "behavior"):

@@ -85,6 +85,8 @@ FIXED_ON_RESUME = (
     ("critic", "freeze_attention"),  # which parameters the critic's optimizer holds
     ("critic", "warmup_steps"),  # the warm-up's log steps (Trainer.log_step) depend on it
     ("critic", "num_critics"),  # how many critics the checkpoint holds
+    ("critic", "lora_rank"),  # whether and which adapters the critic's checkpoint holds
+    ("critic", "lora_alpha"),
     ("lora", "enabled"),  # whether the checkpoint holds a LoRA adapter or the whole policy
     ("lora", "rank"),  # the adapter's shapes
     ("lora", "alpha"),  # its scale: the same adapter is another policy under another alpha

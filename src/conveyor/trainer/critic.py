@@ -274,6 +274,55 @@ def freeze_attention(model: nn.Module) -> int:
     return n
 
 
+def apply_lora(critic: ValueModel, rank: int, alpha: float, *, freeze_attention: bool = True,
+               targets: list[str] | None = None, seed: int = 0) -> int:
+    """LoRA adapters on a critic's backbone (Hu et al. 2021, arXiv 2106.09685; peft's
+    ``inject_adapter_in_model``, in place): ``W = W0 + (alpha / rank) B A`` on every linear module
+    of the backbone whose last name is in ``targets`` (default the attention and MLP projections
+    of :data:`conveyor.config.LORA_DEFAULT_TARGETS`), leaving out those inside an attention module
+    when ``freeze_attention`` (SAO's frozen attention, MISSION.md section 3). Every backbone
+    weight is then frozen: only the adapters and the value head train. ``B`` starts at 0, so the
+    values are unchanged; ``A`` is drawn from a forked RNG seeded with ``seed`` (the caller's RNG
+    stream untouched).
+
+    Returns:
+        The number of trainable scalar parameters (adapters + value head).
+
+    Raises:
+        ConfigError: peft is not installed.
+        ValueError: ``critic`` is not a :class:`ValueModel`; rank < 1; no linear module to adapt.
+    """
+    from conveyor.config import LORA_DEFAULT_TARGETS, ConfigError
+
+    if not isinstance(critic, ValueModel):
+        raise ValueError(f"LoRA adapts a critic's own backbone; {type(critic).__name__} has none")
+    if rank < 1:
+        raise ValueError(f"critic LoRA rank must be >= 1, got {rank}")
+    try:
+        import peft
+    except ImportError as e:
+        raise ConfigError("critic.lora_rank > 0 needs the peft library: pip install 'conveyor[lora]'") from e
+    wanted = set(targets or LORA_DEFAULT_TARGETS)
+    in_attention = {id(m) for a in attention_modules(critic) for m in a.modules()} if freeze_attention else set()
+    names = [name for name, m in critic.backbone.named_modules()
+             if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in wanted and id(m) not in in_attention]
+    if not names:
+        raise ValueError(f"no linear module of the critic's backbone to adapt among {sorted(wanted)}"
+                         + (" outside its attention (critic.freeze_attention)" if freeze_attention else ""))
+    pcfg = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=names, bias="none")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft.inject_adapter_in_model(pcfg, critic.backbone)
+    n = 0
+    for name, p in critic.named_parameters():
+        train = "lora_" in name or name.startswith("value_head.")
+        p.requires_grad_(train)
+        if not train:
+            p.grad = None
+        n += p.numel() if train else 0
+    return n
+
+
 def _params_by_kind(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     attn = {id(p) for p in _unique_params(attention_modules(model))}
     mlp = {id(p) for p in _unique_params(mlp_modules(model))}

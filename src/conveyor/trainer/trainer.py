@@ -340,6 +340,12 @@ class Trainer:
                 except (ValueError, RuntimeError) as e:  # e.g. policy:L beyond the policy's layers, an unknown model
                     raise ConfigError(f"critic.backbone={cc.backbone}: {e}") from e
                 frozen = critic_lib.freeze_attention(critic) if cc.freeze_attention else 0
+                if cc.lora_rank > 0:  # adapters on the backbone; its weights frozen (critic.lora_rank)
+                    try:
+                        critic_lib.apply_lora(critic, cc.lora_rank, cc.lora_alpha, freeze_attention=cc.freeze_attention,
+                                              seed=i)
+                    except ValueError as e:
+                        raise ConfigError(f"critic.lora_rank={cc.lora_rank}: {e}") from e
                 if self.dp is not None:  # sharded like the policy (frozen attention stays frozen)
                     try:
                         self._roots[id(critic)] = dp_lib.shard_model(critic)
@@ -357,8 +363,11 @@ class Trainer:
             counts = critic_lib.param_count_by_kind(self.critic)
             ens = (f"{cc.num_critics} critics (AsyPPO ensemble: mask k {cc.mask_low_frac}, h {cc.mask_high_frac}), each "
                    if cc.num_critics > 1 else "")
+            trainable = sum(p.numel() for p in self.critic.parameters() if p.requires_grad)
+            lora_note = (f", LoRA rank {cc.lora_rank} alpha {cc.lora_alpha:g}: {trainable:,} trainable"
+                         if cc.lora_rank > 0 else "")
             self.critic_note = (f"critic: {ens}backbone {cc.backbone} ({sum(counts.values()):,} parameters, "
-                                f"{frozen:,} of them in frozen attention), K = {k} updates per policy update")
+                                f"{frozen:,} of them in frozen attention{lora_note}), K = {k} updates per policy update")
             log.info(self.critic_note)
 
         # data parallelism: an unsharded twin (rank 0) to hand plain weights to engines and
@@ -1356,6 +1365,7 @@ class Trainer:
             states = [{**_full_state(u.model, u.optimizer), "scheduler": u.scheduler.state_dict(), "steps": u.steps}
                       for u in self.critic_updaters]
         return {"critic": states[0], "critic_warmup_done": self.critic_warmup_done,
+                "critic_lora_rank": self.critic_cfg.lora_rank,
                 **({"critics_more": states[1:]} if len(states) > 1 else {})}
 
     def _load_updater(self, up: Updater, state: dict) -> None:
@@ -1429,6 +1439,10 @@ class Trainer:
             if len(more) != len(self.critic_updaters) - 1:
                 raise ValueError(f"the checkpoint holds {len(more) + 1} critic(s), this run {len(self.critic_updaters)} "
                                  "(critic.num_critics cannot change on resume)")
+            saved_rank = int(state.get("critic_lora_rank", 0))  # (checkpoints before the option: 0)
+            if saved_rank != self.critic_cfg.lora_rank:
+                raise ValueError(f"the checkpoint's critic has LoRA rank {saved_rank}, this run "
+                                 f"critic.lora_rank={self.critic_cfg.lora_rank} (it cannot change on resume)")
             for u, st in zip(self.critic_updaters, [state["critic"], *more], strict=True):
                 self._load_updater(u, st)
             self.critic_warmup_done = int(state.get("critic_warmup_done", 0))
