@@ -151,6 +151,8 @@ def eval_cmd(
     split_seed: Annotated[int | None, typer.Option(help=_EVAL_HELP["split_seed"])] = None,
     batch_size: Annotated[int, typer.Option(help="engine decode batch (sequences)")] = 32,
     seed: Annotated[int, typer.Option()] = 0,
+    device: Annotated[str, typer.Option(help="where the engine runs: auto (a GPU when one is seen), cpu, cuda, "
+                                             "cuda:N")] = "auto",
     output: Annotated[Path | None, typer.Option("--output", "-o", help="JSON output path")] = None,
     no_progress: Annotated[bool, typer.Option("--no-progress")] = False,
     tool: Annotated[str | None, typer.Option(help=_EVAL_HELP["tool"])] = None,
@@ -232,6 +234,12 @@ def eval_cmd(
                       f"{'' if env_cfg is None else f', env {env_cfg.name}'}", soft_wrap=True)
     if batch_size < 1:
         _fail(f"--batch-size must be >= 1, got {batch_size}")
+    from conveyor.devices import resolve as resolve_device
+
+    try:
+        engine_device = resolve_device(device, "--device", role="engine")
+    except ValueError as e:
+        _fail(str(e))
     try:
         SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     except ValueError as e:
@@ -255,7 +263,7 @@ def eval_cmd(
                 console.print(note, soft_wrap=True)
         except (ValueError, TypeError) as e:
             _fail(str(e))
-    engine = InferenceEngine(lm.model, lm.tokenizer, max_batch_size=batch_size, seed=seed)
+    engine = InferenceEngine(lm.model, lm.tokenizer, max_batch_size=batch_size, seed=seed, device=engine_device)
     engine.start()
     try:
         res = evaluate(
@@ -565,6 +573,8 @@ def serve_cmd(
     max_batch_size: Annotated[int, typer.Option(help="engine decode batch (sequences)")] = 32,
     seed: Annotated[int, typer.Option(help="engine seed (requests without a seed)")] = 0,
     num_threads: Annotated[int | None, typer.Option(help="decode thread's intra-op threads (default: torch's)")] = None,
+    device: Annotated[str, typer.Option(help="where the engine runs: auto (a GPU when one is seen), cpu, cuda, "
+                                             "cuda:N")] = "auto",
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
 ) -> None:
     """Serve a model over HTTP with SGLang's native API (/generate, /update_weights_from_disk,
@@ -579,13 +589,19 @@ def serve_cmd(
         _fail(f"--port must be in 1..65535, got {port}")
     if max_batch_size < 1:
         _fail(f"--max-batch-size must be >= 1, got {max_batch_size}")
+    from conveyor.devices import resolve as resolve_device
+
+    try:
+        engine_device = resolve_device(device, "--device", role="engine")
+    except ValueError as e:
+        _fail(str(e))
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         console.print(f"[yellow]warning:[/] serving on {host} without --api-key: anyone who can "
                       "reach the port can generate and replace the weights", soft_wrap=True)
     logging.basicConfig(level=logging.INFO)
     try:
         serve(model, host=host, port=port, api_key=api_key, max_batch_size=max_batch_size,
-              seed=seed, num_threads=num_threads, log_level=log_level)
+              seed=seed, num_threads=num_threads, log_level=log_level, device=engine_device)
     except ModelLoadError as e:
         _fail(str(e))
     except OSError as e:

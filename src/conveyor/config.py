@@ -28,6 +28,10 @@ class ModelConfig(_Strict):
 
     name: str = "smollm2-135m-instruct"
     seed: int = 0
+    init: Literal["pretrained", "random"] = Field(
+        default="pretrained", description="pretrained: the reference's weights; random: a model of the reference's "
+                                          "architecture (its config.json) with random weights seeded by model.seed, "
+                                          "for speed and memory measurements (only the config and tokenizer are read)")
 
 
 class DataConfig(_Strict):
@@ -110,6 +114,10 @@ class RolloutConfig(_Strict):
     elastic_threads: bool = Field(
         default=False, description="inline runtime: while the trainer waits for a batch, the engine decodes with the "
                                    "trainer's threads as well (given back before the update; elastic cores)")
+    engine_device: str = Field(
+        default="auto", description="where the engine runs: auto (a GPU when this process sees one: its own GPU "
+                                    "when there are two or more, else the trainer's; else the CPU), cpu, cuda, "
+                                    "cuda:N (conveyor.devices)")
     engine_dtype: Literal["float32", "bfloat16", "auto"] = Field(
         default="float32", description="dtype of the engine's weights and activations: bfloat16 decodes ~2x faster "
                                        "where the CPU has bf16 arithmetic (avx512_bf16 / AMX), and its log-probs are "
@@ -134,6 +142,13 @@ class RolloutConfig(_Strict):
     @classmethod
     def _tool_none(cls, v: Any) -> Any:
         return "none" if v is None else v  # `rollout.tool=none` on the command line parses as null
+
+    @field_validator("engine_device")
+    @classmethod
+    def _engine_device(cls, v: str) -> str:
+        from conveyor.devices import check_setting
+
+        return check_setting(v, "rollout.engine_device")
 
 
 class SandboxSettings(_Strict):
@@ -478,6 +493,10 @@ class TrainerConfig(_Strict):
         default=False, description="return the C heap's free pages to the OS between the phases of an update (glibc "
                                    "malloc_trim; lowers peak memory when the heap fragments; conveyor.memory)")
 
+    device: str = Field(
+        default="auto", description="where the trainer's models run (policy, reference, critics): auto (cuda:0 "
+                                    "when this process sees a GPU, else the CPU), cpu, cuda, cuda:N; the per-token "
+                                    "bookkeeping stays on the host (conveyor.devices)")
     world_size: int = Field(
         default=1, ge=1, description="trainer processes: >1 shards the policy's parameters, gradients and AdamW state "
                                      "over that many processes with PyTorch FSDP2 and splits every batch among them "
@@ -485,6 +504,13 @@ class TrainerConfig(_Strict):
     collective_timeout_s: float = Field(
         default=600.0, gt=0, description="with world_size > 1: seconds a collective (gradient reduce, weight "
                                          "gather) may wait for the slowest trainer process before the run fails")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        from conveyor.devices import check_setting
+
+        return check_setting(v, "trainer.device")
 
     @model_validator(mode="after")
     def _optimizer_paths(self) -> TrainerConfig:

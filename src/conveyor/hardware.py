@@ -62,7 +62,8 @@ def resolve_bf16(setting: bool | str, device: str = "cpu", recorded: bool | None
     Args:
         setting: ``True`` / ``False`` (as asked), or ``"auto"``: bf16 when
             :func:`bf16_speedup` >= :data:`BF16_MIN_SPEEDUP`.
-        device: The trainer's device.
+        device: The trainer's device type (``"cpu"`` or ``"cuda"``; on CUDA ``auto`` means bf16
+            wherever the GPU supports it, without a measurement).
         recorded: ``"auto"``'s choice made earlier in the same run (a resume:
             :func:`conveyor.rundir.recorded_bf16`), used as it is instead of measuring again (the
             measured speed-up is noisy, 1.48-3.48x on one machine, so a new measurement could flip
@@ -81,6 +82,11 @@ def resolve_bf16(setting: bool | str, device: str = "cpu", recorded: bool | None
     if recorded is not None:
         return bool(recorded), (f"trainer.bf16=auto: bf16 autocast {'on' if recorded else 'off'}, the choice "
                                 "made at the run's start (its precision event), kept on resume without measuring")
+    if device == "cuda":  # bf16 tensor cores (Ampere and later); a timed small product says nothing on a GPU
+        use = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+        return use, (f"trainer.bf16=auto: bf16 autocast {'on' if use else 'off'} ({name} "
+                     f"{'supports' if use else 'does not support'} bf16)")
     s = bf16_speedup(device)
     use = s >= BF16_MIN_SPEEDUP
     return use, (f"trainer.bf16=auto: bf16 autocast {'on' if use else 'off'} (a bf16 matrix "

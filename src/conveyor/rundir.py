@@ -119,8 +119,9 @@ def check_resume_compatible(run_dir: Path, cfg: TrainConfig) -> None:
             and why).
     """
     saved = load_config(run_dir / "config.json")
-    # a LoRA checkpoint holds the adapter only: the base weights are model.name's (seeded for tiny)
-    fixed = FIXED_ON_RESUME + ((("model", "seed"),) if saved.lora.enabled else ())
+    # a LoRA checkpoint holds the adapter only: the base weights are model.name's (seeded for tiny
+    # and for model.init=random)
+    fixed = FIXED_ON_RESUME + ((("model", "seed"), ("model", "init")) if saved.lora.enabled else ())
     for section, key in fixed:
         old, new = getattr(getattr(saved, section), key), getattr(getattr(cfg, section), key)
         if old != new:
@@ -320,15 +321,19 @@ def restart_eval_before(run_dir: Path, cfg: TrainConfig) -> str:
     return f"removed: {why}"
 
 
-def recorded_bf16(run_dir: Path) -> bool | None:
+def recorded_bf16(run_dir: Path, device_type: str | None = None) -> bool | None:
     """The choice ``trainer.bf16=auto`` made for this run: the ``bf16`` of the first ``precision``
     event in ``events.jsonl`` that auto decided (``requested == "auto"``; events written before
     that field: a note starting ``trainer.bf16=auto``). A resume keeps it rather than measuring
-    again (:func:`conveyor.hardware.resolve_bf16`). None: no such event (the run never chose)."""
+    again (:func:`conveyor.hardware.resolve_bf16`). None: no such event (the run never chose), or
+    the choice was made for another kind of device than ``device_type`` (``cpu`` / ``cuda``: a
+    run moved between a GPU and a CPU chooses again; events without ``device_type`` were CPU runs)."""
     for row in read_jsonl(run_dir / EVENTS):
         if row.get("event") != "precision" or not isinstance(row.get("bf16"), bool):
             continue
         if row.get("requested", "auto" if str(row.get("note", "")).startswith("trainer.bf16=auto") else None) == "auto":
+            if device_type is not None and row.get("device_type", "cpu") != device_type:
+                return None
             return row["bf16"]
     return None
 

@@ -57,7 +57,8 @@ class LoraFactors:
         if tuple(base.shape) != (self.B.shape[0], self.A.shape[1]):
             raise ValueError(f"LoRA factors A {tuple(self.A.shape)}, B {tuple(self.B.shape)} do not fit a "
                              f"weight of shape {tuple(base.shape)} ([out, in])")
-        return torch.addmm(base.float(), self.B.float(), self.A.float(), alpha=float(self.scale))
+        dev = base.device  # (the factors travel on the host; the receiver's W0 may be on its GPU)
+        return torch.addmm(base.float(), self.B.to(dev).float(), self.A.to(dev).float(), alpha=float(self.scale))
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ class WeightUpdate:
         version: Policy version these weights correspond to (number of optimiser steps taken).
             Versions must strictly increase from one update to the next.
         tensors: Parameter / buffer name -> tensor (detached, contiguous, on CPU unless the
-            caller chose otherwise). Names follow ``model.state_dict()``.
+            caller chose otherwise: :meth:`from_model`'s ``device``; pinned host memory from a
+            trainer on a GPU). Names follow ``model.state_dict()``.
         aliases: Name -> name in ``tensors`` for tensors the sender's model shares (tied input
             / output embeddings): sent once, applied to both names by the receiver.
         lora: Parameter name -> :class:`LoraFactors` (``lora.sync=adapter``): the receiver sets
@@ -113,7 +115,8 @@ class WeightUpdate:
         return WeightUpdate(version=self.version, tensors=tensors, aliases=dict(self.aliases), lora=dict(self.lora))
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, version: int, dtype: torch.dtype | None = None) -> WeightUpdate:
+    def from_model(cls, model: torch.nn.Module, version: int, dtype: torch.dtype | None = None, *,
+                   device: torch.device | str = "cpu", pin_memory: bool = False) -> WeightUpdate:
         """Snapshot ``model``'s state dict as an update message (copies every tensor).
 
         Args:
@@ -121,7 +124,16 @@ class WeightUpdate:
             version: The version to stamp on the message.
             dtype: Optional dtype to cast floating-point tensors to (e.g. ``torch.bfloat16`` to
                 halve the bytes sent); None keeps the trainer's dtype.
+            device: Where the copies go: the host (default: the message can cross threads,
+                processes and Ray), or a GPU (a trainer and an engine in one process, each on a
+                GPU: the engine then copies device to device, nothing crosses the host).
+            pin_memory: Host copies in page-locked memory (a trainer on a GPU: the device-to-host
+                copies run asynchronously at full bus speed, and so does the receiver's copy onto
+                its GPU); this call waits until they are done. Ignored for a GPU ``device``.
         """
+        device = torch.device(device)
+        pin = pin_memory and device.type == "cpu" and torch.cuda.is_available()
+        async_from: set[torch.device] = set()  # GPUs with device-to-host copies in flight
         out: dict[str, torch.Tensor] = {}
         aliases: dict[str, str] = {}
         seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
@@ -135,7 +147,14 @@ class WeightUpdate:
                 seen[key] = name
                 if dtype is not None and t.is_floating_point():
                     t = t.to(dtype)
-                out[name] = t.to("cpu", copy=True).contiguous()
+                if pin and t.device.type == "cuda":
+                    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    out[name] = buf.copy_(t, non_blocking=True)
+                    async_from.add(t.device)
+                else:
+                    out[name] = t.to(device, copy=True).contiguous()
+        for dev in async_from:  # the copies are complete before anyone reads the message
+            torch.cuda.synchronize(dev)
         return cls(version=version, tensors=out, aliases=aliases)
 
 

@@ -57,6 +57,7 @@ from conveyor.runtime.inline import (
     LoopResult,
     RolloutSide,
     build_rollout,
+    engine_device,
     eval_policy,
     heldout_eval,
     train_loop,
@@ -231,6 +232,19 @@ class _Job:
     resumed: dict = field(default_factory=dict)  # prepare_resume's report
 
 
+def _device_type(cfg: TrainConfig) -> str | None:
+    """``cpu`` / ``cuda``: the kind of device the trainer will run on (``trainer.device`` resolved
+    as the trainer resolves it); None where that fails (the trainer then reports why)."""
+    from conveyor.devices import resolve
+
+    if cfg.trainer.world_size > 1 and cfg.trainer.device == "auto":
+        return "cpu"
+    try:
+        return resolve(cfg.trainer.device, "trainer.device").type
+    except ValueError:
+        return None
+
+
 def _load_job(cfg: TrainConfig, start: _Start, console, ctx: RunContext) -> _Job:
     """Data, model, trainer (restored from ``start.ckpt``); everything that can fail on bad
     input, before the run directory is touched (a typo never leaves a stray directory). With
@@ -251,11 +265,11 @@ def _load_job(cfg: TrainConfig, start: _Start, console, ctx: RunContext) -> _Job
         tokenizer = load_tokenizer(cfg.model.name)
         policy: Any = SimpleNamespace(config=load_model_config(cfg.model.name, tokenizer))  # (preflight: its context)
     else:
-        lm = load_model(cfg.model.name, seed=cfg.model.seed)
+        lm = load_model(cfg.model.name, seed=cfg.model.seed, init=cfg.model.init)
         tokenizer, policy = lm.tokenizer, lm.model
     train_samples, heldout, n_too_long, warnings = preflight_samples(cfg, train_samples, heldout, tokenizer, policy)
     # a resume keeps trainer.bf16=auto's first choice (a new measurement could flip the precision)
-    bf16_choice = recorded_bf16(start.run_dir) if start.run_dir is not None else None
+    bf16_choice = recorded_bf16(start.run_dir, _device_type(cfg)) if start.run_dir is not None else None
     group, precision_note = None, None
     if cfg.trainer.world_size > 1:  # FSDP2 data parallelism: every process at rank 0's precision
         bf16_choice, precision_note = resolve_bf16(cfg.trainer.bf16, "cpu", recorded=bf16_choice)
@@ -272,10 +286,13 @@ def _load_job(cfg: TrainConfig, start: _Start, console, ctx: RunContext) -> _Job
         trainer = build_trainer(cfg, policy, bf16_choice=bf16_choice, data_parallel=group.dp if group else None)
     if precision_note is not None:
         trainer.precision_note = precision_note
+    if cfg.runtime.name == "inline":  # a device this process lacks fails before the run directory is made
+        engine_device(cfg)
     job = _Job(trainer, tokenizer, reward_fn, train_samples, heldout, n_too_long, warnings, engine_threads)
     if start.ckpt is not None:
-        trainer.load_state_dict(torch.load(start.ckpt / "trainer.pt", weights_only=False))
-        job.state = torch.load(start.ckpt / "state.pt", weights_only=False)
+        # (on the host: a checkpoint written on a GPU resumes on a CPU, and the reverse)
+        trainer.load_state_dict(torch.load(start.ckpt / "trainer.pt", map_location="cpu", weights_only=False))
+        job.state = torch.load(start.ckpt / "state.pt", map_location="cpu", weights_only=False)
         torch.set_rng_state(job.state["rng"]["torch"])
         random.setstate(job.state["rng"]["python"])
         if trainer.version >= cfg.trainer.total_steps:  # killed after its last step: finish the run
@@ -313,7 +330,13 @@ def _open_logs(cfg: TrainConfig, run_dir: Path, start: _Start, job: _Job, consol
         logger.event("proximal", method="none", requested=cfg.proximal.method,
                      note=f"loss.name={cfg.loss.name} uses no proximal policy", extra_bytes=0)
     logger.event("precision", bf16=trainer.bf16, requested=cfg.trainer.bf16,  # trainer.bf16=auto's choice:
-                 note=trainer.precision_note)  # kept on resume (recorded_bf16)
+                 note=trainer.precision_note,  # kept on resume (recorded_bf16) on the same kind of device
+                 device_type=getattr(getattr(trainer, "device", None), "type", "cpu"))
+    # where the models run (trainer.device, rollout.engine_device; the Ray runtime's actors resolve
+    # the engine's in their own process)
+    logger.event("devices", trainer=str(getattr(trainer, "device", "actor")), requested_trainer=cfg.trainer.device,
+                 engine=str(engine_device(cfg)) if cfg.runtime.name == "inline" else "actor",
+                 requested_engine=cfg.rollout.engine_device)
     if trainer.lora is not None:  # trainable parameters, what the engine receives
         logger.event("lora", note=trainer.lora.note, trainable_parameters=trainer.lora.trainable, sync=cfg.lora.sync)
     if trainer.critic is not None:

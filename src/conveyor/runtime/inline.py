@@ -227,10 +227,28 @@ def resolve_engine_dtype(cfg: TrainConfig, trainer_bf16: bool) -> TrainConfig:
     return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine_dtype": dtype})})
 
 
+def engine_device(cfg: TrainConfig) -> torch.device:
+    """``rollout.engine_device`` in this process (:func:`conveyor.devices.resolve`, role
+    ``engine``: with ``auto``, a GPU of its own when the process sees two or more, else the one GPU,
+    else the CPU).
+
+    Raises:
+        ConfigError: a device this process does not have (the message names the key).
+    """
+    from conveyor.config import ConfigError
+    from conveyor.devices import resolve
+
+    try:
+        return resolve(cfg.rollout.engine_device, "rollout.engine_device", role="engine")
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
 def make_engine(cfg: TrainConfig, model, tokenizer, *, version: int, seed_index: int, engine_threads: int,
                 track_partials: bool, lora_base: dict | None = None) -> InferenceEngine:
     """The run's :class:`~conveyor.rollout.engine.InferenceEngine` over ``model`` (not started),
-    set from ``rollout.*`` (decode batch, re-encoding, ``engine_dtype`` resolved, prefix cache).
+    set from ``rollout.*`` (decode batch, re-encoding, ``engine_dtype`` resolved, prefix cache,
+    the device: :func:`engine_device`).
 
     Args:
         model: The engine's own copy of the policy (eval mode, no gradients).
@@ -244,7 +262,8 @@ def make_engine(cfg: TrainConfig, model, tokenizer, *, version: int, seed_index:
                            seed=engine_seed(cfg.run.seed, version, seed_index), num_threads=engine_threads,
                            track_partials=track_partials, reencode_on_update=cfg.rollout.reencode_on_update,
                            dtype=getattr(torch, cfg.rollout.engine_dtype),
-                           prefix_cache_tokens=cfg.rollout.prefix_cache_tokens, lora_base=lora_base)
+                           prefix_cache_tokens=cfg.rollout.prefix_cache_tokens, lora_base=lora_base,
+                           device=engine_device(cfg))
 
 
 def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, train_samples, *,
@@ -262,6 +281,9 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
         state: The checkpoint's ``state.pt`` contents when resuming.
     """
     cfg = resolve_engine_dtype(cfg, trainer.bf16)
+    # weight updates for an engine on a GPU: staged on the trainer's GPU when the trainer has one
+    # (the engine copies device to device), else in pinned host memory (Trainer.weight_update)
+    trainer.publish_device = engine_device(cfg) if isinstance(trainer, Trainer) else None
     # the engine's own plain copy (with LoRA: adapters merged, no peft modules; lora.sync=adapter
     # also hands it the base weights W0 that the adapters it receives are merged onto)
     policy = trainer.inference_policy()

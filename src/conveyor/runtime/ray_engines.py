@@ -83,7 +83,7 @@ def build_local_engine(cfg, weights, *, seed_index: int, engine_threads: int, tr
     from conveyor.runtime.inline import make_engine
 
     t0 = time.perf_counter()
-    lm = load_model(cfg.model.name, seed=cfg.model.seed)
+    lm = load_model(cfg.model.name, seed=cfg.model.seed, init=cfg.model.init)
     model = lm.model
     lora_base = None
     if cfg.lora.enabled:  # the base model from model.name (frozen under LoRA), the adapted weights on top

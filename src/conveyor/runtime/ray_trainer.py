@@ -126,7 +126,7 @@ class TrainerActor:
         torch.set_num_threads(max(1, int(threads)))
         torch.manual_seed(cfg.run.seed)
         random.seed(cfg.run.seed)
-        lm = load_model(cfg.model.name, seed=cfg.model.seed)
+        lm = load_model(cfg.model.name, seed=cfg.model.seed, init=cfg.model.init)
         self.trainer = build_trainer(cfg, lm.model, bf16_choice=bf16_choice)
         return self.info()
 

@@ -89,7 +89,7 @@ def follower_main(args: FollowerArgs) -> None:
     dp = dp_lib.init_process_group(args.rank, args.world_size, port=args.port, backend=args.backend,
                                    timeout_s=cfg.trainer.collective_timeout_s)
     try:
-        model = load_model(cfg.model.name, seed=cfg.model.seed).model
+        model = load_model(cfg.model.name, seed=cfg.model.seed, init=cfg.model.init).model
         trainer = build_trainer(cfg, model, bf16_choice=args.bf16, data_parallel=dp)
         dp_lib.follow(trainer, _receiver(args.calls, args.leader_pid))
     finally:

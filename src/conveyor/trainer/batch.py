@@ -24,11 +24,24 @@ over the set the token was sampled from (docs/design.md, "Truncated sampling: wh
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from conveyor.types import Trajectory
+
+
+class ModelInputs(NamedTuple):
+    """A micro-batch's model inputs on one device (:meth:`PackedBatch.model_inputs`); fields as
+    :class:`PackedBatch`'s."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor
+    attention_mask: torch.Tensor | None
+    support: tuple[torch.Tensor, torch.Tensor] | None
 
 
 @dataclass
@@ -74,6 +87,25 @@ class PackedBatch:
     attention_mask: torch.Tensor | None = None
     support: tuple[torch.Tensor, torch.Tensor] | None = None
     response_index: torch.Tensor | None = None
+    _inputs_on: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def model_inputs(self, device: torch.device) -> ModelInputs:
+        """What a model's forward pass reads (token ids, positions, targets, loss mask, attention
+        mask, kept sets) on ``device`` (the model's; conveyor.devices): the tensors themselves on
+        the CPU, else copies made once per device and kept with the micro-batch (every phase of a
+        step reads the same inputs)."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return ModelInputs(self.input_ids, self.position_ids, self.targets, self.mask, self.attention_mask,
+                               self.support)
+        got = self._inputs_on.get(device)
+        if got is None:
+            def mv(x):
+                return None if x is None else x.to(device, non_blocking=True)
+            got = self._inputs_on[device] = ModelInputs(
+                mv(self.input_ids), mv(self.position_ids), mv(self.targets), mv(self.mask), mv(self.attention_mask),
+                None if self.support is None else (mv(self.support[0]), mv(self.support[1])))
+        return got
 
     @property
     def num_tokens(self) -> int:

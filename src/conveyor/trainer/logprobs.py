@@ -15,7 +15,6 @@ S} z_v`` with ``z = logits / T``: the chunk's logits are gathered at the ids of 
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -191,7 +190,7 @@ def token_logprobs(
         sup_ids = sup_ids.long()
     hidden = body(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     hidden = hidden.reshape(R * L, -1)
-    sel = torch.arange(R * L) if mask is None else mask.reshape(-1).nonzero().squeeze(-1)
+    sel = torch.arange(R * L, device=hidden.device) if mask is None else mask.reshape(-1).nonzero().squeeze(-1)
     h = hidden.index_select(0, sel)
     tg = targets.reshape(-1).index_select(0, sel)
     if support is not None:
@@ -199,10 +198,10 @@ def token_logprobs(
         sup_size = sup_off.diff().index_select(0, sel)
     inv_t = 1.0 / temperature
     weight = head.weight
-    if hidden.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+    if torch.is_autocast_enabled(hidden.device.type):
         # one cast of the projection for all chunks (autocast without its weight cache would cast the
         # [V, d] matrix again in every chunk and in every recomputation); gradients flow through it
-        weight = weight.to(torch.get_autocast_dtype("cpu"))
+        weight = weight.to(torch.get_autocast_dtype(hidden.device.type))
     parts = []
     ents = []
     grad = torch.is_grad_enabled()
@@ -241,7 +240,8 @@ class ScoringSpec:
 
     Attributes:
         temperature: Sampling temperature T > 0 (log-probs of ``softmax(logits / T)``).
-        bf16: Run the forward under CPU bf16 autocast (the trainer's ``trainer.bf16`` choice).
+        bf16: Run the forward under bf16 autocast (the trainer's ``trainer.bf16`` choice), on the
+            scoring model's device type.
         autocast_weight_cache: autocast's weight cache (``trainer.use_autocast_weight_cache``).
         chunk_tokens: Positions per lm_head chunk (``trainer.logprob_chunk_tokens``).
         micro_batch_tokens / pack_row_tokens: Packing budgets (tokens) of the micro-batches.
@@ -255,12 +255,15 @@ class ScoringSpec:
     pack_row_tokens: int
 
     def logprobs(self, model: torch.nn.Module, mb) -> torch.Tensor:
-        """``[R, L]`` log-probs of ``mb``'s targets (a :class:`~conveyor.trainer.batch.PackedBatch`)
-        under ``model``, without gradient, kept sets replayed (:func:`token_logprobs`)."""
-        ctx = (torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=self.autocast_weight_cache)
-               if self.bf16 else nullcontext())
-        with torch.no_grad(), ctx:
-            lp, _ = token_logprobs(model, mb.input_ids, mb.position_ids, mb.targets, temperature=self.temperature,
-                                   chunk_tokens=self.chunk_tokens, mask=mb.mask, attention_mask=mb.attention_mask,
-                                   support=mb.support)
-        return lp
+        """``[R, L]`` log-probs (on the host) of ``mb``'s targets (a
+        :class:`~conveyor.trainer.batch.PackedBatch`) under ``model``, on the model's device,
+        without gradient, kept sets replayed (:func:`token_logprobs`)."""
+        from conveyor.devices import autocast, module_device
+
+        device = module_device(model)
+        x = mb.model_inputs(device)
+        with torch.no_grad(), autocast(device, self.bf16, cache_enabled=self.autocast_weight_cache):
+            lp, _ = token_logprobs(model, x.input_ids, x.position_ids, x.targets, temperature=self.temperature,
+                                   chunk_tokens=self.chunk_tokens, mask=x.mask, attention_mask=x.attention_mask,
+                                   support=x.support)
+        return lp.cpu()

@@ -13,12 +13,12 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from conveyor import devices
 from conveyor.config import (
     ConfigError,
     CriticConfig,
@@ -260,6 +260,23 @@ class Trainer:
         self.dp = data_parallel
         if data_parallel is not None:
             self._check_data_parallel(trainer_cfg, loss_cfg, proximal_cfg or ProximalConfig(), lora_cfg, critic_cfg)
+        # where the models run (trainer.device; conveyor.devices): the policy, its reference copy and
+        # the critics move there; packing, advantages and losses stay on the host
+        # (data parallelism runs on gloo processes: auto means the CPU there)
+        setting = "cpu" if data_parallel is not None and trainer_cfg.device == "auto" else trainer_cfg.device
+        try:
+            self.device = devices.resolve(setting, "trainer.device")
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        if data_parallel is not None and self.device.type != "cpu":
+            raise ConfigError(f"trainer.world_size={data_parallel.world_size} with trainer.device={trainer_cfg.device} "
+                              f"({self.device}): data parallelism runs on the CPU (gloo) only so far; set "
+                              "trainer.device=cpu or trainer.world_size=1")
+        model.to(self.device)
+        log.info("trainer: models on %s", self.device)
+        # where weight updates are staged for the engine (the runtime sets it: build_rollout):
+        # None / the host: pinned host copies from a GPU; a GPU: copies on this trainer's GPU
+        self.publish_device: torch.device | None = None
         self.lora = None  # conveyor.trainer.lora.LoraPolicy with lora.enabled
         if lora_cfg is not None and lora_cfg.enabled:
             from conveyor.trainer.lora import apply_lora
@@ -269,7 +286,7 @@ class Trainer:
         self.model = model
         self.cfg = trainer_cfg
         # bf16 autocast where the hardware makes it faster (trainer.bf16=auto, conveyor.hardware)
-        self.bf16, self.precision_note = resolve_bf16(trainer_cfg.bf16, "cpu", recorded=bf16_choice)
+        self.bf16, self.precision_note = resolve_bf16(trainer_cfg.bf16, self.device.type, recorded=bf16_choice)
         log.info(self.precision_note)
         self.loss_cfg = loss_cfg
         self.temperature = temperature if temperature > 0 else 1.0
@@ -339,6 +356,7 @@ class Trainer:
                     critic = critic_lib.build_value_model(source, cc.backbone, seed=i)
                 except (ValueError, RuntimeError) as e:  # e.g. policy:L beyond the policy's layers, an unknown model
                     raise ConfigError(f"critic.backbone={cc.backbone}: {e}") from e
+                critic.to(self.device)  # (a preset's backbone and every value head are made on the host)
                 frozen = critic_lib.freeze_attention(critic) if cc.freeze_attention else 0
                 if cc.lora_rank > 0:  # adapters on the backbone; its weights frozen (critic.lora_rank)
                     try:
@@ -458,24 +476,27 @@ class Trainer:
         # Without the weight cache every autocast matmul casts its fp32 weight afresh: under activation
         # checkpointing the cache would hold a bf16 copy of all weights (~270 MB for SmolLM2) through
         # the recomputation for little gain.
-        if not self.bf16:
-            return nullcontext()
-        return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=self.cfg.use_autocast_weight_cache)
+        return devices.autocast(self.device, self.bf16, cache_enabled=self.cfg.use_autocast_weight_cache)
 
     def _trim(self) -> None:
         if self.cfg.malloc_trim:
             release_free_memory()
 
     def _logprobs(self, model, mb: PackedBatch, with_entropy: bool = False, entropy_grad: bool = False):
+        """``(log-probs [R, L], entropy [R, L] or None)`` of ``mb``'s targets under ``model``
+        (:func:`~conveyor.trainer.logprobs.token_logprobs` on the trainer's device; the results on
+        the host, differentiable: the loss's gradient flows back to the device)."""
         root = self._roots.get(id(model))
         call = token_logprobs if root is None else (lambda m, *a, **k: root(token_logprobs, *a, **k))
+        x = mb.model_inputs(self.device)
         with self._autocast():
-            return call(
-                model, mb.input_ids, mb.position_ids, mb.targets, temperature=self.temperature,
-                chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy, mask=mb.mask,
-                attention_mask=mb.attention_mask, support=mb.support,  # sampling-mask replay
+            lp, ent = call(
+                model, x.input_ids, x.position_ids, x.targets, temperature=self.temperature,
+                chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy, mask=x.mask,
+                attention_mask=x.attention_mask, support=x.support,  # sampling-mask replay
                 entropy_grad=entropy_grad,
             )
+        return devices.to_host((lp, ent))
 
     def _values(self, mb: PackedBatch, mask: torch.Tensor, critic=None, *,
                 body_states: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
@@ -491,21 +512,25 @@ class Trainer:
         root = self._roots.get(id(critic))
         fn = critic_lib.token_values
         call = fn if root is None else (lambda m, *a, **k: root(fn, *a, **k))
+        x = mb.model_inputs(self.device)
         with self._autocast():
-            hidden = None
+            hidden = None  # (on the device, as the critic)
             if body_states is not None and isinstance(critic, critic_lib.HeadCritic):
                 hidden = body_states.get(id(mb))
                 if hidden is None:
-                    hidden = body_states[id(mb)] = critic.body_states(mb.input_ids, mb.position_ids,
-                                                                      mb.attention_mask)
-            return call(critic, mb.input_ids, mb.position_ids, mask=mask, attention_mask=mb.attention_mask,
-                        hidden=hidden)
+                    hidden = body_states[id(mb)] = critic.body_states(x.input_ids, x.position_ids, x.attention_mask)
+            values = call(critic, x.input_ids, x.position_ids, mask=devices.to(mask, self.device),
+                          attention_mask=x.attention_mask, hidden=hidden)
+        return devices.to_host((values,))[0]
 
     @dp_lib.collective()
     def weight_update(self) -> WeightUpdate:
         """The current parameters as a :class:`WeightUpdate` stamped with :attr:`version`: every
         tensor (full fine-tuning), or with LoRA the merged targeted weights (``lora.sync=merged``)
-        or the adapter factors (``adapter``; :meth:`conveyor.trainer.lora.LoraPolicy.weight_update`)."""
+        or the adapter factors (``adapter``; :meth:`conveyor.trainer.lora.LoraPolicy.weight_update`).
+        A trainer on a GPU stages full weights on its own GPU when :attr:`publish_device` is a GPU
+        (an engine in this process on a GPU copies them device to device), else in pinned host
+        memory (:meth:`conveyor.sync.WeightUpdate.from_model`)."""
         if self.dp is not None:  # collective: every process calls it; rank 0 gets the weights
             policy = self._unsharded_policy()
             if policy is None:
@@ -515,6 +540,10 @@ class Trainer:
             return WeightUpdate.from_model(policy, self.version)
         if self.lora is not None:
             return self.lora.weight_update(self.version)
+        if self.device.type == "cuda":  # staged for the engine: on this GPU, or pinned on the host
+            if self.publish_device is not None and torch.device(self.publish_device).type == "cuda":
+                return WeightUpdate.from_model(self.model, self.version, device=self.device)
+            return WeightUpdate.from_model(self.model, self.version, pin_memory=True)
         return WeightUpdate.from_model(self.model, self.version)
 
     def _unsharded_policy(self) -> torch.nn.Module | None:
@@ -1201,8 +1230,9 @@ class Trainer:
         were all filtered), so this process gathers and reduce-scatters every FSDP2 unit as often
         as the others."""
         root = self._roots[id(self.model)]
+        x = mb.model_inputs(self.device)
         with self._autocast():
-            zero = root(zero_loss, mb.input_ids, mb.position_ids, attention_mask=mb.attention_mask)
+            zero = root(zero_loss, x.input_ids, x.position_ids, attention_mask=x.attention_mask)
         zero.backward()
 
     def _objective_inputs(self, mb: PackedBatch, lp: torch.Tensor, scores: Scores, j: int,

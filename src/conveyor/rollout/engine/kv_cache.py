@@ -158,7 +158,7 @@ def _select(batch: _Batch, keep: list[int]) -> _Batch | None:
         for x in (layer.kbuf, layer.vbuf):
             _, h, _, d = x.shape
             new = torch.empty(len(keep), h, length + _KV_GROWTH, d, dtype=x.dtype, device=x.device)
-            new[:, :, :length].copy_(x[:, :, trim : batch.length].index_select(0, idx))
+            new[:, :, :length].copy_(x[:, :, trim : batch.length].index_select(0, idx.to(x.device)))
             bufs.append(new)
         layers.append(_KVLayer(bufs[0], bufs[1], length))
     reqs = [batch.reqs[i] for i in keep]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+from conveyor.devices import module_device, synchronize, to
 from conveyor.faults import fault_point
 from conveyor.rollout.engine.kv_cache import (
     _KV_GROWTH,
@@ -100,6 +101,12 @@ class InferenceEngine:
             this ``W0`` (kept by the engine as given: float32 for a float32 trainer; for SmolLM2's
             attention and MLP projections 106 M elements, 0.42 GB, by arithmetic). None: the
             engine accepts no factors.
+        device: Where the model runs (``rollout.engine_device`` resolved, e.g. ``"cuda:0"``): the
+            model is moved there; None keeps it where it is. The scheduler's bookkeeping (token
+            lists, padding, sampling plans) stays on the host; token ids, masks and positions go
+            to the device for each forward pass, the keys / values stay there, and each step's
+            sampled tokens and log-probs come back (``[B]`` each). Weight updates are copied onto
+            the device (from pinned host memory or another device's tensors).
 
     Attributes:
         supports_priority: True: :meth:`generate` / :meth:`submit` take ``priority`` (an
@@ -130,6 +137,7 @@ class InferenceEngine:
         reencode_on_update: bool = True,
         prefix_cache_tokens: int = 0,
         lora_base: dict[str, torch.Tensor] | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         if not _is_int(version) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
@@ -151,9 +159,10 @@ class InferenceEngine:
             raise ValueError(
                 f"InferenceEngine supports full-attention models only; layer_types={sorted(set(layer_types))}"
             )
-        if dtype is not None:
-            model.to(dtype)
+        if device is not None or dtype is not None:  # (one move: cast and place together)
+            model.to(device=device, dtype=dtype)
         model.eval()
+        self.device = module_device(model)
         self._dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.model = model
         self.tokenizer = tokenizer
@@ -172,7 +181,7 @@ class InferenceEngine:
         pad = getattr(tokenizer, "pad_token_id", None)
         self._pad_id = pad if _is_int(pad) else (min(eos) if eos else 0)
         self._targets = dict(model.state_dict())
-        self._lora_base = dict(lora_base or {})
+        self._lora_base = {k: v.to(self.device) for k, v in (lora_base or {}).items()}  # (no copy on the host)
         for name, base in self._lora_base.items():
             if name not in self._targets or tuple(base.shape) != tuple(self._targets[name].shape):
                 raise ValueError(f"lora_base {name!r} {tuple(base.shape)} is not a weight of the engine's model of "
@@ -1031,8 +1040,10 @@ class InferenceEngine:
                     (la.kbuf[b, :, p : length - 1].clone(), la.vbuf[b, :, p : length - 1].clone()) for la in layers])
         if len(seqs) < len(reqs):  # every request its own row (its own sampling stream)
             idx = torch.tensor(row_of, dtype=torch.long)
-            layers = [_KVLayer(la.kbuf.index_select(0, idx), la.vbuf.index_select(0, idx), la.length) for la in layers]
-            pad, logits = pad.index_select(0, idx), logits.index_select(0, idx)
+            on_dev = to(idx, self.device)
+            layers = [_KVLayer(la.kbuf.index_select(0, on_dev), la.vbuf.index_select(0, on_dev), la.length)
+                      for la in layers]
+            pad, logits = pad.index_select(0, idx), logits.index_select(0, on_dev)
         plan = _make_plan([r.params for r in reqs])
         tokens = self._sample_and_record(reqs, logits, plan)
         self._join(_Batch(reqs=reqs, layers=layers, pad=pad, length=length, pending=tokens, plan=plan))
@@ -1055,8 +1066,10 @@ class InferenceEngine:
         seconds count as busy and prefill time (and under ``kind`` in ``prefill_profile``),
         ``counts`` are added to the stats."""
         t0 = time.perf_counter()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
+        dev = self.device
+        out = self.model(input_ids=to(ids, dev), attention_mask=to(mask, dev), position_ids=to(position_ids, dev),
                          cache=Cache(layers=layers), use_cache=True, logits_to_keep=1)
+        synchronize(dev)  # (CUDA: kernels run asynchronously; the busy time is the forward pass's)
         dt = time.perf_counter() - t0
         with self._cond:
             self._stats["busy_seconds"] += dt
@@ -1140,14 +1153,16 @@ class InferenceEngine:
         mask = torch.arange(length).unsqueeze(0) >= batch.pad.unsqueeze(1)
         position_ids = (batch.length - batch.pad).unsqueeze(1)
         t0 = time.perf_counter()
+        dev = self.device
         out = self.model(
-            input_ids=batch.pending.unsqueeze(1),
-            attention_mask=mask[:, None, None, :],
-            position_ids=position_ids,
+            input_ids=to(batch.pending.unsqueeze(1), dev),
+            attention_mask=to(mask[:, None, None, :], dev),
+            position_ids=to(position_ids, dev),
             cache=batch.cache(),
             use_cache=True,
             logits_to_keep=1,
         )
+        synchronize(dev)
         dt = time.perf_counter() - t0
         batch.length = length
         with self._cond:

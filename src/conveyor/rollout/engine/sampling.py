@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,7 @@ class _SamplingPlan:
         tuple[int, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
     ]
     needs_uniforms: bool
+    on_device: dict = field(default_factory=dict)  # device -> this plan's copy there (_on)
 
 
 def _make_plan(params: Sequence[SamplingParams]) -> _SamplingPlan:
@@ -82,15 +83,39 @@ def _inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 _Kept = list[torch.Tensor | None] | None  # per row: kept token ids (int32); None: no truncation
 
 
+def _on(plan: _SamplingPlan, device: torch.device) -> _SamplingPlan:
+    """``plan`` with its tensors on ``device`` (the logits' device; the plan itself when it is there:
+    plans are built on the host, once per change of the running batch, and cached per device)."""
+    if device.type == "cpu":
+        return plan
+    cached = plan.on_device.get(device)
+    if cached is None:
+        groups = [(kind, None if rows is None else rows.to(device), *(t.to(device) for t in rest))
+                  for kind, rows, *rest in plan.groups]
+        cached = plan.on_device[device] = _SamplingPlan(groups=groups, needs_uniforms=plan.needs_uniforms)
+    return cached
+
+
 def _sample_with_plan(
+    logits: torch.Tensor, plan: _SamplingPlan, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, _Kept]:
+    """Sample one token per row of ``logits [B, V]`` on their device; ``(tokens [B] int64,
+    log-probs [B] float32, kept sets)`` on the host (kept sets int32, host)."""
+    if logits.device.type != "cpu":
+        tok, lp, kept = _sample_with_plan_on(logits, _on(plan, logits.device), u.to(logits.device))
+        return tok.cpu(), lp.cpu(), kept  # (kept sets are made on the host)
+    return _sample_with_plan_on(logits, plan, u)
+
+
+def _sample_with_plan_on(
     logits: torch.Tensor, plan: _SamplingPlan, u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, _Kept]:
     batch = logits.shape[0]
     if len(plan.groups) == 1 and plan.groups[0][1] is None:
         kind, _, temp, top_k, top_p, min_p = plan.groups[0]
         return _sample_group(logits, kind, temp, top_k, top_p, min_p, u)
-    tokens = torch.empty(batch, dtype=torch.long)
-    logprobs = torch.empty(batch, dtype=torch.float32)
+    tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
     kept_all: _Kept = None
     for kind, rows, temp, top_k, top_p, min_p in plan.groups:
         tok, lp, kept = _sample_group(
@@ -132,7 +157,7 @@ def _sample_group(
         return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1), None
     # vLLM v1 order: temperature, min-p, top-k, top-p (on the renormalised remainder)
     vals, order = _truncation_candidates(s, top_k, top_p, min_p)
-    ranks = torch.arange(vals.shape[-1]).unsqueeze(0)
+    ranks = torch.arange(vals.shape[-1], device=vals.device).unsqueeze(0)
     drop = (top_k > 0) & (ranks >= top_k)
     if bool((min_p > 0).any()):
         drop = drop | (vals < _min_p_threshold(vals[:, :1], min_p))
@@ -148,7 +173,7 @@ def _sample_group(
     tok = order.gather(-1, pos.unsqueeze(-1)).squeeze(-1)
     # the kept set S_t: every mask above cuts a suffix of the descending order, so S_t is a prefix
     keep = vals > -math.inf
-    kept = list(order[keep].to(torch.int32).split(keep.sum(-1).tolist()))
+    kept = list(order[keep].to(torch.int32).cpu().split(keep.sum(-1).tolist()))  # (host: one copy)
     return tok, logp.gather(-1, pos.unsqueeze(-1)).squeeze(-1), kept
 
 
@@ -188,7 +213,7 @@ def _truncation_candidates(
     k = max(_TOP_P_CANDIDATES, int(top_k.max()))
     while k < vocab:
         vals, order = s.topk(k, -1)
-        ranks = torch.arange(k).unsqueeze(0)
+        ranks = torch.arange(k, device=s.device).unsqueeze(0)
         thr = _min_p_threshold(vals[:, :1], min_p)
         covered = ((top_k > 0) & (top_k <= k)) | (need_m & (vals[:, -1:] < thr))
         if bool(need_p.any()):

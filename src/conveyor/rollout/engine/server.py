@@ -613,6 +613,7 @@ def serve(
     seed: int = 0,
     num_threads: int | None = None,
     log_level: str = "info",
+    device=None,
 ) -> None:
     """Load ``model``, start an :class:`~conveyor.rollout.engine.local.InferenceEngine` on it
     and serve it over HTTP until interrupted (``conveyor serve``); the engine is stopped on exit.
@@ -623,7 +624,8 @@ def serve(
         host: Interface to bind; 127.0.0.1 by default (reachable from this machine only).
         port: TCP port.
         api_key: Require ``Authorization: Bearer <api_key>`` on every request.
-        max_batch_size / seed / num_threads: The engine's (``InferenceEngine`` arguments).
+        max_batch_size / seed / num_threads / device: The engine's (``InferenceEngine`` arguments;
+            ``device`` None: the CPU).
         log_level: uvicorn's log level.
 
     Raises:
@@ -637,7 +639,7 @@ def serve(
 
     lm = load_model(model)
     engine = InferenceEngine(lm.model, lm.tokenizer, max_batch_size=max_batch_size, seed=seed,
-                             num_threads=num_threads)
+                             num_threads=num_threads, device=device)
     engine.start()
     try:
         app = build_app(engine, api_key=api_key, model_path=model)

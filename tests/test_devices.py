@@ -1,0 +1,135 @@
+"""Device settings and the pieces of the GPU path that a CPU can check (issue 15 section 1):
+``trainer.device`` / ``rollout.engine_device`` resolution and errors, ``model.init=random``, the
+shape directories, weight-update staging and the resume rule for bf16. The GPU itself:
+tests/test_gpu.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conveyor import devices
+from conveyor.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("setting,role,n,want", [
+    ("auto", "trainer", 0, "cpu"), ("auto", "engine", 0, "cpu"),
+    ("auto", "trainer", 1, "cuda:0"), ("auto", "engine", 1, "cuda:0"),  # one GPU: shared
+    ("auto", "trainer", 4, "cuda:0"), ("auto", "engine", 4, "cuda:3"),  # several: the engine its own
+    ("cpu", "trainer", 2, "cpu"), ("cuda", "engine", 2, "cuda:0"), ("cuda:1", "trainer", 2, "cuda:1"),
+])
+def test_resolve(setting, role, n, want):
+    assert devices.resolve(setting, "trainer.device", role=role, n_cuda=n) == torch.device(want)
+
+
+def test_resolve_errors_name_the_key():
+    with pytest.raises(ValueError, match=r"rollout.engine_device=cuda: this process sees no CUDA device"):
+        devices.resolve("cuda", "rollout.engine_device", n_cuda=0)
+    with pytest.raises(ValueError, match=r"trainer.device=cuda:2: this process sees 2 CUDA device\(s\)"):
+        devices.resolve("cuda:2", "trainer.device", n_cuda=2)
+    with pytest.raises(ValueError, match="expected auto, cpu, cuda or cuda:N"):
+        devices.resolve("gpu", "trainer.device", n_cuda=1)
+
+
+def test_config_keys_validate_and_default_to_auto():
+    cfg = load_config(None, [])
+    assert cfg.trainer.device == "auto" and cfg.rollout.engine_device == "auto" and cfg.model.init == "pretrained"
+    for bad, key in (("trainer.device=gpu", "trainer.device"), ("rollout.engine_device=cuda:x", "rollout.engine_device"),
+                     ("model.init=zeros", "model.init")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(None, [bad])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("key", ["trainer.device", "rollout.engine_device"])
+def test_train_refuses_cuda_without_a_gpu_before_the_run_directory(tmp_path, key):
+    from conveyor.train import run_training
+
+    run = tmp_path / "r"
+    cfg = load_config(None, ["model.name=tiny", "trainer.total_steps=1", f"run.dir={run}", f"{key}=cuda"])
+    with pytest.raises(ConfigError, match=f"{key}=cuda: this process sees no CUDA device"):
+        run_training(cfg)
+    assert not run.exists()
+
+
+def test_shape_models_and_random_init(tmp_path, tiny):
+    """scripts/shape_models.py writes config + tokenizer directories; model.init=random builds the
+    architecture with seeded random weights (the tiny directory gives the tiny preset's weights)."""
+    from transformers import AutoConfig
+
+    from conveyor.models import load_model
+
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "shape_models.py"), str(tmp_path)], check=True,
+                   capture_output=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["qwen2-1.5b", "smollm2-135m", "tiny"]
+    for d in tmp_path.iterdir():
+        assert (d / "config.json").is_file() and (d / "tokenizer.json").is_file()
+        assert not list(d.glob("*.safetensors"))  # no weights
+    q = AutoConfig.from_pretrained(str(tmp_path / "qwen2-1.5b"))
+    assert (q.model_type, q.hidden_size, q.intermediate_size, q.num_hidden_layers, q.num_attention_heads,
+            q.num_key_value_heads, q.vocab_size) == ("qwen2", 1536, 8960, 28, 12, 2, 49152)
+    again = load_model(str(tmp_path / "tiny"), seed=0, init="random")
+    for (name, a), b in zip(tiny.model.state_dict().items(), again.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    other = load_model(str(tmp_path / "tiny"), seed=1, init="random")
+    assert not torch.equal(next(other.model.parameters()), next(again.model.parameters()))
+    small = load_model(str(tmp_path / "smollm2-135m"), seed=0, init="random")
+    assert sum(p.numel() for p in small.model.parameters()) == 134_515_008
+    with pytest.raises(ValueError, match="model.init='zeros'"):
+        load_model(str(tmp_path / "tiny"), init="zeros")
+
+
+def test_weight_update_copies_to_the_requested_place(tiny):
+    from conveyor.sync import WeightUpdate
+
+    upd = WeightUpdate.from_model(tiny.model, 3, device="cpu")
+    for name, p in tiny.model.state_dict().items():
+        if name in upd.tensors:
+            t = upd.tensors[name]
+            assert torch.equal(t, p) and t.data_ptr() != p.data_ptr() and t.device.type == "cpu"
+    # pin_memory without a GPU: plain host copies (nothing to pin against)
+    pinned = WeightUpdate.from_model(tiny.model, 3, pin_memory=True)
+    assert set(pinned.tensors) == set(upd.tensors)
+
+
+def test_packed_batch_model_inputs_on_the_host_are_its_own_tensors():
+    from conveyor.trainer.batch import pack
+    from conveyor.types import Sample, Trajectory
+
+    t = Trajectory(sample=Sample("s", "q", "1", "t"), group_id="g", prompt_ids=[5, 6, 7], response_ids=[8, 9],
+                   behaviour_logprobs=[-1.0, -1.0], versions=[0, 0])
+    mb = pack([t], torch.zeros(1), [[0]])
+    x = mb.model_inputs(torch.device("cpu"))
+    assert x.input_ids is mb.input_ids and x.mask is mb.mask and x.targets is mb.targets
+
+
+def test_recorded_bf16_is_kept_only_on_the_same_kind_of_device(tmp_path):
+    from conveyor.rundir import recorded_bf16
+
+    (tmp_path / "events.jsonl").write_text(json.dumps(
+        {"event": "precision", "bf16": True, "requested": "auto", "note": "x", "device_type": "cuda"}) + "\n")
+    assert recorded_bf16(tmp_path) is True and recorded_bf16(tmp_path, "cuda") is True
+    assert recorded_bf16(tmp_path, "cpu") is None  # moved to a CPU: choose again
+    (tmp_path / "events.jsonl").write_text(json.dumps(  # written before device_type: a CPU run
+        {"event": "precision", "bf16": False, "requested": "auto", "note": "x"}) + "\n")
+    assert recorded_bf16(tmp_path, "cpu") is False and recorded_bf16(tmp_path, "cuda") is None
+
+
+def test_cuda_bf16_auto_does_not_time_a_product(monkeypatch):
+    """On a GPU, trainer.bf16=auto follows the GPU's bf16 support (a small timed product says nothing
+    there); on the CPU it still measures."""
+    from conveyor import hardware
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Fake GPU")
+    monkeypatch.setattr(hardware, "bf16_speedup", lambda device="cpu": pytest.fail("timed a product on cuda"))
+    use, note = hardware.resolve_bf16("auto", "cuda")
+    assert use and "Fake GPU supports bf16" in note
