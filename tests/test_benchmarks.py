@@ -43,6 +43,8 @@ SCRIPTS: dict[str, tuple[str, list[str]]] = {
     "test_async_vs_sync_benchmark_quick": ("async_vs_sync.py", ["--out", "{out}/avs"]),  # ~90 s
     "test_runtime_overhead_benchmark_quick": ("runtime_overhead.py", []),  # ~83 s
     "test_proximal_costs_benchmark_quick": ("proximal_costs.py", []),  # ~73 s
+    "test_gpu_benchmark_quick": ("gpu.py", ["--device", "cpu", "--models", "{out}/models/tiny",
+                                            "--out", "{out}/gpu.json"]),  # ~65 s
     "test_staleness_robustness_benchmark_quick": ("staleness_robustness.py", ["--out", "{out}/st"]),  # ~59 s
     "test_trainer_benchmark_quick": ("trainer.py", []),  # ~41 s
     "test_critic_benchmark_quick": ("critic.py", ["--json", "{out}/critic.json"]),  # ~20 s
@@ -217,6 +219,37 @@ def test_async_vs_sync_benchmark_quick(quick):
         assert runs["0"]["steps"] == runs["2"]["steps"] == 2
         assert runs["2"]["simulated_wall_s"] > 0 and runs["2"]["calibration_run"]
     assert r["profile"] == "b"
+
+
+def test_gpu_benchmark_quick(quick):
+    """benchmarks/gpu.py (made for a lent GPU machine) runs every section on the CPU, same code
+    paths, with no error or skipped item; the model directory is written by scripts/shape_models.py."""
+    r = _run(quick, "test_gpu_benchmark_quick")
+    full = json.loads((quick[1] / "gpu.json").read_text())
+    assert r["errors"] == full["errors"] == [] and r["skipped"] == full["skipped"] == [], r
+    assert "traceback" not in json.dumps(full) and "terminated" not in full
+    assert full["created_model_dirs"] == [str(quick[1] / "models" / "tiny")]
+    s = full["sections"]
+    assert set(s) == {"peak", "engine", "trainer", "async"}
+    assert r["peak_bf16_tflops"] > 0 and s["peak"]["fp32_tf32_off"]["tflops_median"] > 0
+    (eng,) = [v for k, v in s["engine"].items() if not k.startswith("_")]
+    for mb in (4, 16):
+        row = eng[f"max_batch_{mb}"]
+        assert row["dtype"] == "bfloat16" and row["requests"] == row["finished_requests"] == 16 and not row["truncated"]
+        assert 0 < row["generated_tokens"] == row["engine"]["generated_tokens"] <= row["requested_tokens"]
+        assert row["tokens_per_s"] == pytest.approx(row["generated_tokens"] / row["wall_s"])
+        assert max(int(b) for b in row["decode_profile"]) <= mb and row["engine"]["decode_steps"] > 0
+    (tr,) = [v["result"] for k, v in s["trainer"].items() if not k.startswith("_")]
+    assert tr["update_s"] > 0 and tr["loss_tokens"] == tr["response_tokens"] and tr["forward_tokens"] <= tr["padded_tokens"]
+    assert tr["flops_per_update"] > 0 and tr["peak_bf16_tflops"] == s["peak"]["bf16"]["tflops_median"]
+    assert tr["mfu"] == pytest.approx(tr["flops_per_update"] / tr["update_s"] / (tr["peak_bf16_tflops"] * 1e12))
+    for prof in ("profile_a", "profile_b"):  # b: the deferred agent-like pair (the budget allows it here)
+        row = s["async"][prof]
+        assert row["eta0"]["steps"] == row["eta2"]["steps"] == 2
+        assert row["eta0"]["staleness_max"] == 0 and row["eta2"]["staleness_max"] <= 2
+        assert row["wall_ratio_eta0_over_eta2"] == pytest.approx(row["eta0"]["wall_s"] / row["eta2"]["wall_s"])
+        assert r["async"][prof]["wall_ratio_eta0_over_eta2"] == row["wall_ratio_eta0_over_eta2"]
+    assert full["deferred"]["async/profile_b"]["ran"]
 
 
 def test_proximal_costs_benchmark_quick(quick):
