@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -116,8 +117,10 @@ def test_cuda_engine_weight_update_mid_generation(tiny_gpu, where):
     with engine:
         futs = [engine.submit(p, SamplingParams(max_new_tokens=60, temperature=1.0, ignore_eos=True))
                 for p in _prompts(tiny_gpu.tokenizer, 3)]
+        deadline = time.monotonic() + 60
         while engine.stats()["generated_tokens"] < 3 * 5:  # a few tokens decoded before the update
-            pass
+            assert time.monotonic() < deadline and not any(f.done() for f in futs), "the engine stopped decoding"
+            time.sleep(0.001)
         engine.update_weights(upd)
         outs = [f.result(timeout=120) for f in futs]
     for name, t in engine.model.state_dict().items():

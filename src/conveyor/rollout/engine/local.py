@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import concurrent.futures
+import inspect
 import logging
 import math
 import threading
@@ -163,6 +164,10 @@ class InferenceEngine:
             model.to(device=device, dtype=dtype)
         model.eval()
         self.device = module_device(model)
+        # the KV cache's keyword: `cache` from transformers 5.2x on, `past_key_values` before (5.17:
+        # an unknown keyword is swallowed by **kwargs and the model would build a cache of its own)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.model = model
         self.tokenizer = tokenizer
@@ -1068,7 +1073,7 @@ class InferenceEngine:
         t0 = time.perf_counter()
         dev = self.device
         out = self.model(input_ids=to(ids, dev), attention_mask=to(mask, dev), position_ids=to(position_ids, dev),
-                         cache=Cache(layers=layers), use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1, **{self._cache_kw: Cache(layers=layers)})
         synchronize(dev)  # (CUDA: kernels run asynchronously; the busy time is the forward pass's)
         dt = time.perf_counter() - t0
         with self._cond:
@@ -1158,9 +1163,9 @@ class InferenceEngine:
             input_ids=to(batch.pending.unsqueeze(1), dev),
             attention_mask=to(mask[:, None, None, :], dev),
             position_ids=to(position_ids, dev),
-            cache=batch.cache(),
             use_cache=True,
             logits_to_keep=1,
+            **{self._cache_kw: batch.cache()},
         )
         synchronize(dev)
         dt = time.perf_counter() - t0
