@@ -133,3 +133,20 @@ def test_cuda_bf16_auto_does_not_time_a_product(monkeypatch):
     monkeypatch.setattr(hardware, "bf16_speedup", lambda device="cpu": pytest.fail("timed a product on cuda"))
     use, note = hardware.resolve_bf16("auto", "cuda")
     assert use and "Fake GPU supports bf16" in note
+
+
+def test_inspect_loads_a_random_init_run_as_configured(tmp_path, tiny):
+    """A model.init=random run without export or checkpoint: conveyor inspect's base model is the
+    run's random model (its seed), not an attempt to load weights the directory does not hold."""
+    from conveyor.config import load_config
+    from conveyor.inspect_attention import load_policy
+
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "shape_models.py"), str(tmp_path / "m")], check=True,
+                   capture_output=True)
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config(None, [f"model.name={tmp_path / 'm' / 'tiny'}", "model.init=random", "model.seed=0"])
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    policy = load_policy(run)
+    for (name, a), b in zip(tiny.model.state_dict().items(), policy.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name

@@ -220,8 +220,8 @@ def run_settings(run_dir: str | Path) -> tuple[dict[str, Any], list[str]]:
     conveyor wrote that no longer validates is read as plain JSON instead, with a note.
 
     Returns:
-        ``({"model": name, "model_seed": int, "heldout": spec or None, "split_seed": int,
-        "instruction": str or None}, notes)``.
+        ``({"model": name, "model_seed": int, "model_init": "pretrained" | "random", "heldout": spec
+        or None, "split_seed": int, "instruction": str or None}, notes)``.
 
     Raises:
         FileNotFoundError: no ``config.json`` (not a run directory).
@@ -232,13 +232,15 @@ def run_settings(run_dir: str | Path) -> tuple[dict[str, Any], list[str]]:
     notes: list[str] = []
     try:
         cfg = load_run_config(run_dir)
-        return {"model": cfg.model.name, "model_seed": cfg.model.seed, "heldout": cfg.data.heldout or None,
+        return {"model": cfg.model.name, "model_seed": cfg.model.seed, "model_init": cfg.model.init,
+                "heldout": cfg.data.heldout or None,
                 "split_seed": cfg.data.split_seed, "instruction": cfg.data.instruction}, notes
     except ConfigError as e:
         notes.append(f"config.json does not validate with this conveyor ({e}); read as plain JSON")
     raw = json.loads((Path(run_dir) / "config.json").read_text())
     model, data = raw.get("model") or {}, raw.get("data") or {}
     return {"model": model.get("name", "smollm2-135m-instruct"), "model_seed": model.get("seed", 0),
+            "model_init": model.get("init", "pretrained"),
             "heldout": data.get("heldout") or None, "split_seed": data.get("split_seed", 0),
             "instruction": data.get("instruction")}, notes
 
@@ -297,7 +299,7 @@ def load_policy(run_dir: str | Path, *, warn: Callable[[str], None] | None = Non
             if reason is not None:
                 notes.append(f"checkpoint {ckpt.name} skipped: {reason}")
                 continue
-            lm = load_model(settings["model"], seed=settings["model_seed"])
+            lm = load_model(settings["model"], seed=settings["model_seed"], init=settings["model_init"])
             state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False, mmap=True)
             model_state = {k.removeprefix("_orig_mod."): v for k, v in state["model"].items()}
             model = lm.model
@@ -313,7 +315,7 @@ def load_policy(run_dir: str | Path, *, warn: Callable[[str], None] | None = Non
                             f"on {settings['model']}", True, notes, None if version is None else int(version))
             break
         if policy is None:
-            lm = load_model(settings["model"], seed=settings["model_seed"])
+            lm = load_model(settings["model"], seed=settings["model_seed"], init=settings["model_init"])
             notes.append(f"{run_dir} has no export and no intact checkpoint: inspecting the base model "
                          f"{settings['model']} as configured (untrained), not the run's policy")
             policy = Policy(lm.model, lm.tokenizer, f"the base model {settings['model']} (untrained, policy "
