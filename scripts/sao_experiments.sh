@@ -11,17 +11,18 @@
 # CONVEYOR_SRC=DIR imports conveyor from a pinned checkout DIR (git worktree add --detach DIR REV) and
 # records its commit in the run dir (conveyor_commit.txt).
 #   LABEL=abl-k1 bash scripts/sao_experiments.sh 0 sao critic.updates_per_step=1   # run dir sao_abl-k1_s0
+# OUT=DIR puts the runs elsewhere (AsyPPO's: OUT=docs/results/runs/asyppo, scripts/asyppo_experiments.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SEEDS=${1:-"0 1"}
 PRESETS=${2:-"sao grpo grpo_dis"}
 EXTRA=${3:-""}
-OUT=docs/results/runs/sao
+OUT=${OUT:-docs/results/runs/sao}
 mkdir -p "$OUT"
 for seed in $SEEDS; do
   for p in $PRESETS; do
     steps=50
-    case $p in sao|vapo_nodis) steps=40 ;; esac
+    case $p in sao|vapo_nodis) steps=40 ;; asyppo) steps=45 ;; esac  # (critic warm-up: 10 / 5 steps of 16)
     suffix=${LABEL:-$(echo "$EXTRA" | tr ' =.' '_-')}
     dir="$OUT/${p}${suffix:+_$suffix}_s${seed}"
     [ -f "$dir/summary.json" ] && { echo "skip $dir (done)"; continue; }
