@@ -17,7 +17,6 @@ Then e.g. ``conveyor train model.name=OUT_DIR/qwen2-1.5b model.init=random ...``
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 
@@ -53,6 +52,8 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit(__doc__)
-    main(Path(sys.argv[1]))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out_dir", type=Path, help="where the model directories go (created)")
+    main(ap.parse_args().out_dir)

@@ -150,3 +150,77 @@ def test_inspect_loads_a_random_init_run_as_configured(tmp_path, tiny):
     policy = load_policy(run)
     for (name, a), b in zip(tiny.model.state_dict().items(), policy.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["trainer.world_size=2", "trainer.device=cuda"],
+     r"trainer.world_size=2 with trainer.device=cuda: data parallelism runs its processes on the CPU"),
+    (["runtime.name=ray", "rollout.engine_device=cuda:0"],
+     r"runtime.name=ray with rollout.engine_device=cuda:0: the Ray runtime's engines run in actors that request no GPU"),
+    (["runtime.name=ray", "runtime.trainer=actor", "trainer.device=cuda"],
+     r"runtime.trainer=actor with trainer.device=cuda: the trainer actor requests no GPU"),
+])
+def test_gpu_placements_not_built_are_refused_when_the_config_loads(overrides, message):
+    """A fresh-user trial: world_size=2 with a CUDA trainer printed a follower's traceback; Ray with a
+    CUDA engine failed in the actor after the run directory was made."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+    for ok in (["trainer.world_size=2", "trainer.device=cpu"], ["runtime.name=ray", "rollout.engine_device=auto"]):
+        load_config(None, ok)
+
+
+def test_device_setting_errors_say_it_once_and_hint_lower_case():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["trainer.device=CUDA"])
+    line = str(e.value).splitlines()[-1]  # (the first line repeats the overrides)
+    assert line.count("trainer.device") == 1 and "settings are lower case: 'cuda'" in line
+    with pytest.raises(ValueError, match=r"^--device='gpu': expected auto, cpu, cuda or cuda:N$"):
+        devices.check_setting("gpu", "--device")
+
+
+def test_model_init_cannot_change_on_resume(tmp_path):
+    from conveyor.rundir import check_resume_compatible
+
+    (tmp_path / "config.json").write_text(json.dumps(load_config(None, ["model.init=random"]).to_dict()))
+    with pytest.raises(ValueError, match=r"model.init cannot change on resume \(checkpoint has 'random', got 'pretrained'\)"):
+        check_resume_compatible(tmp_path, load_config(None, []))
+    check_resume_compatible(tmp_path, load_config(None, ["model.init=random"]))
+
+
+def test_model_directories_that_cannot_load_say_why(tmp_path):
+    """A fresh-user trial: a shape directory without model.init=random, one without a tokenizer, and a
+    run directory ended in transformers tracebacks."""
+    from conveyor.models import ModelLoadError, load_model
+
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "shape_models.py"), str(tmp_path / "m")], check=True,
+                   capture_output=True)
+    with pytest.raises(ModelLoadError, match=r"has a config.json but no weights .* load it with model.init=random"):
+        load_model(str(tmp_path / "m" / "tiny"))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((tmp_path / "m" / "tiny" / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match=r"model.init=random: .* has no tokenizer transformers can load"):
+        load_model(str(bare), init="random")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(load_config(None, []).to_dict()))
+    (run / "events.jsonl").write_text("")
+    with pytest.raises(ModelLoadError, match=r"is a conveyor run directory, not a model: its trained policy is .*export"):
+        load_model(str(run))
+
+
+def test_eval_takes_init_random(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from conveyor.cli import app
+
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "shape_models.py"), str(tmp_path / "m")], check=True,
+                   capture_output=True)
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["eval", "--model", str(tmp_path / "m" / "tiny"), "--init", "random", "--n", "2",
+                                 "--max-new-tokens", "4", "--no-progress", "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())
+    assert "(random weights) loaded" in out and "engine on cpu" in out
+    r = CliRunner().invoke(app, ["eval", "--model", "tiny", "--init", "zeros"])
+    assert r.exit_code == 2 and "--init must be pretrained or random" in r.output

@@ -153,6 +153,8 @@ def eval_cmd(
     seed: Annotated[int, typer.Option()] = 0,
     device: Annotated[str, typer.Option(help="where the engine runs: auto (a GPU when one is seen), cpu, cuda, "
                                              "cuda:N")] = "auto",
+    init: Annotated[str, typer.Option(help="pretrained (the model's weights) or random (its config.json's "
+                                           "architecture with random weights: speed measurements)")] = "pretrained",
     output: Annotated[Path | None, typer.Option("--output", "-o", help="JSON output path")] = None,
     no_progress: Annotated[bool, typer.Option("--no-progress")] = False,
     tool: Annotated[str | None, typer.Option(help=_EVAL_HELP["tool"])] = None,
@@ -240,6 +242,8 @@ def eval_cmd(
         engine_device = resolve_device(device, "--device", role="engine")
     except ValueError as e:
         _fail(str(e))
+    if init not in ("pretrained", "random"):
+        _fail(f"--init must be pretrained or random, got {init!r}")
     try:
         SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     except ValueError as e:
@@ -251,10 +255,11 @@ def eval_cmd(
     except DatasetError as e:
         _fail(str(e))
     try:
-        lm = load_model(model)
-    except ModelLoadError as e:
+        lm = load_model(model, init=init)
+    except (ModelLoadError, ValueError) as e:
         _fail(str(e))
-    console.print(f"model {model} loaded in {lm.load_seconds:.1f} s; {len(data)} problems of {dataset}")
+    console.print(f"model {model}{' (random weights)' if init == 'random' else ''} loaded in "
+                  f"{lm.load_seconds:.1f} s; {len(data)} problems of {dataset}; engine on {engine_device}")
     if env_cfg is not None:
         from conveyor.envs.registry import check_env
 
@@ -575,6 +580,8 @@ def serve_cmd(
     num_threads: Annotated[int | None, typer.Option(help="decode thread's intra-op threads (default: torch's)")] = None,
     device: Annotated[str, typer.Option(help="where the engine runs: auto (a GPU when one is seen), cpu, cuda, "
                                              "cuda:N")] = "auto",
+    init: Annotated[str, typer.Option(help="pretrained (the model's weights) or random (its config.json's "
+                                           "architecture with random weights: speed measurements)")] = "pretrained",
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
 ) -> None:
     """Serve a model over HTTP with SGLang's native API (/generate, /update_weights_from_disk,
@@ -595,13 +602,15 @@ def serve_cmd(
         engine_device = resolve_device(device, "--device", role="engine")
     except ValueError as e:
         _fail(str(e))
+    if init not in ("pretrained", "random"):
+        _fail(f"--init must be pretrained or random, got {init!r}")
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         console.print(f"[yellow]warning:[/] serving on {host} without --api-key: anyone who can "
                       "reach the port can generate and replace the weights", soft_wrap=True)
     logging.basicConfig(level=logging.INFO)
     try:
         serve(model, host=host, port=port, api_key=api_key, max_batch_size=max_batch_size,
-              seed=seed, num_threads=num_threads, log_level=log_level, device=engine_device)
+              seed=seed, num_threads=num_threads, log_level=log_level, device=engine_device, init=init)
     except ModelLoadError as e:
         _fail(str(e))
     except OSError as e:

@@ -148,7 +148,7 @@ class RolloutConfig(_Strict):
     def _engine_device(cls, v: str) -> str:
         from conveyor.devices import check_setting
 
-        return check_setting(v, "rollout.engine_device")
+        return check_setting(v)
 
 
 class SandboxSettings(_Strict):
@@ -510,7 +510,7 @@ class TrainerConfig(_Strict):
     def _device(cls, v: str) -> str:
         from conveyor.devices import check_setting
 
-        return check_setting(v, "trainer.device")
+        return check_setting(v)
 
     @model_validator(mode="after")
     def _optimizer_paths(self) -> TrainerConfig:
@@ -700,6 +700,20 @@ class TrainConfig(_Strict):
         if self.reward.overlong == "soft" and self.reward.overlong_buffer > self.rollout.max_new_tokens:
             raise ValueError(f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be <= "
                              f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) with reward.overlong=soft")
+        on_gpu = ("cpu", "auto")  # (explicit GPU placements below are not built for these layouts)
+        if self.trainer.world_size > 1 and self.trainer.device not in on_gpu:
+            raise ValueError(f"trainer.world_size={self.trainer.world_size} with trainer.device={self.trainer.device}: "
+                             "data parallelism runs its processes on the CPU (gloo) only so far; set trainer.device="
+                             "cpu (or auto) or trainer.world_size=1")
+        if self.runtime.name == "ray":
+            if self.rollout.engine_device not in on_gpu:
+                raise ValueError(f"runtime.name=ray with rollout.engine_device={self.rollout.engine_device}: the Ray "
+                                 "runtime's engines run in actors that request no GPU, and Ray hides the GPUs from "
+                                 "them; set rollout.engine_device=auto (the CPU there) or cpu, or runtime.name=inline")
+            if self.runtime.trainer == "actor" and self.trainer.device not in on_gpu:
+                raise ValueError(f"runtime.trainer=actor with trainer.device={self.trainer.device}: the trainer actor "
+                                 "requests no GPU, and Ray hides the GPUs from it; set trainer.device=auto (the CPU "
+                                 "there) or cpu, or runtime.trainer=driver")
         if self.trainer.world_size > 1:
             if self.runtime.name != "inline":
                 raise ValueError(f"trainer.world_size={self.trainer.world_size} needs runtime.name=inline (the Ray "

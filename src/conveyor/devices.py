@@ -24,14 +24,17 @@ import torch
 _SETTING = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
-def check_setting(value: str, key: str) -> str:
+def check_setting(value: str, key: str | None = None) -> str:
     """``value`` if it is a device setting (``auto``, ``cpu``, ``cuda``, ``cuda:N``).
 
     Raises:
-        ValueError: anything else, naming ``key`` and the accepted values.
+        ValueError: anything else, naming ``key`` (when given: the config's own errors name the key
+            already) and the accepted values.
     """
     if not isinstance(value, str) or not _SETTING.match(value):
-        raise ValueError(f"{key}={value!r}: expected auto, cpu, cuda or cuda:N")
+        hint = (f" (settings are lower case: {value.lower()!r})"
+                if isinstance(value, str) and _SETTING.match(value.lower()) else "")
+        raise ValueError(f"{'' if key is None else key + '='}{value!r}: expected auto, cpu, cuda or cuda:N{hint}")
     return value
 
 

@@ -279,12 +279,31 @@ def _dequantize_to_cache(gguf: Path, target: Path, source: dict | None = None) -
         raise
 
 
+_WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.gguf")
+
+
 def _load_hf_dir(path: Path, dtype: torch.dtype):
+    """Tokenizer and weights of a Hugging Face directory (``ModelLoadError`` naming the directory
+    where transformers cannot read them, e.g. a shape directory without weights)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    if not any(next(path.glob(g), None) for g in _WEIGHT_FILES):
+        raise ModelLoadError(
+            f"{path} has a config.json but no weights (model.safetensors / pytorch_model.bin): if it is a "
+            "shape directory (scripts/shape_models.py), load it with model.init=random (conveyor eval / serve: "
+            "--init random)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot load a model from {path} ({type(e).__name__}: {_first_line(e)}); a model "
+                             "directory holds a transformers config.json, the tokenizer's files and the weights") from e
     return model, tokenizer
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of an exception's message (transformers' carry pages of advice)."""
+    return (str(e).strip().splitlines() or [""])[0]
 
 
 def _finish(model, tokenizer):
@@ -326,6 +345,9 @@ def _resolve(name: str) -> tuple[Path, bool]:
         if p.is_dir():
             if not (p / "config.json").is_file():
                 raise ModelLoadError(f"Model directory {p} has no config.json (not a Hugging Face model).")
+            if (p / "events.jsonl").is_file() or (p / "run.lock").exists():  # its config.json is conveyor's
+                raise ModelLoadError(f"{p} is a conveyor run directory, not a model: its trained policy is "
+                                     f"{p / 'export'} (written at the end of a run with run.export=true)")
             return p, True
         if p.suffix == ".gguf":
             if not p.is_file():
@@ -419,8 +441,19 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
     if init == "random":
         from transformers import AutoConfig, AutoTokenizer
 
-        model = _random_model(AutoConfig.from_pretrained(str(path)), dtype, seed)
-        model, tokenizer = _finish(model, AutoTokenizer.from_pretrained(str(path)))
+        try:
+            config = AutoConfig.from_pretrained(str(path))
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"model.init=random: cannot read {path / 'config.json'} as a transformers model "
+                                 f"config ({type(e).__name__}: {_first_line(e)})") from e
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"model.init=random: {path} has no tokenizer transformers can load "
+                                 f"({type(e).__name__}: {_first_line(e)}); a shape directory holds config.json "
+                                 "and the tokenizer's files (tokenizer.json, tokenizer_config.json): "
+                                 "scripts/shape_models.py writes such directories") from e
+        model, tokenizer = _finish(_random_model(config, dtype, seed), tokenizer)
         return LoadedModel(model, tokenizer, name, time.perf_counter() - t0, from_cache=cached_before)
     model, tokenizer = _finish(*_load_hf_dir(path, dtype))
     return LoadedModel(model, tokenizer, name, time.perf_counter() - t0, from_cache=cached_before)

@@ -77,6 +77,7 @@ class TrainResult:
 # keys a resumed run must keep (the checkpoint was made with them)
 FIXED_ON_RESUME = (
     ("model", "name"),
+    ("model", "init"),  # the initial policy: the KL reference, a restart's reused eval_before.json
     ("run", "dir"),
     ("rollout", "group_size"),
     ("trainer", "batch_size"),
@@ -121,7 +122,7 @@ def check_resume_compatible(run_dir: Path, cfg: TrainConfig) -> None:
     saved = load_config(run_dir / "config.json")
     # a LoRA checkpoint holds the adapter only: the base weights are model.name's (seeded for tiny
     # and for model.init=random)
-    fixed = FIXED_ON_RESUME + ((("model", "seed"), ("model", "init")) if saved.lora.enabled else ())
+    fixed = FIXED_ON_RESUME + ((("model", "seed"),) if saved.lora.enabled else ())
     for section, key in fixed:
         old, new = getattr(getattr(saved, section), key), getattr(getattr(cfg, section), key)
         if old != new:

@@ -334,9 +334,11 @@ def _open_logs(cfg: TrainConfig, run_dir: Path, start: _Start, job: _Job, consol
                  device_type=getattr(getattr(trainer, "device", None), "type", "cpu"))
     # where the models run (trainer.device, rollout.engine_device; the Ray runtime's actors resolve
     # the engine's in their own process)
-    logger.event("devices", trainer=str(getattr(trainer, "device", "actor")), requested_trainer=cfg.trainer.device,
-                 engine=str(engine_device(cfg)) if cfg.runtime.name == "inline" else "actor",
-                 requested_engine=cfg.rollout.engine_device)
+    devices = {"trainer": str(getattr(trainer, "device", "actor")),
+               "engine": str(engine_device(cfg)) if cfg.runtime.name == "inline" else "actor"}
+    logger.event("devices", **devices, requested_trainer=cfg.trainer.device, requested_engine=cfg.rollout.engine_device)
+    if "cuda" in "".join(devices.values()):  # (the CPU, the usual case, goes unsaid)
+        console.print(f"devices: trainer {devices['trainer']}, engine {devices['engine']}")
     if trainer.lora is not None:  # trainable parameters, what the engine receives
         logger.event("lora", note=trainer.lora.note, trainable_parameters=trainer.lora.trainable, sync=cfg.lora.sync)
     if trainer.critic is not None:

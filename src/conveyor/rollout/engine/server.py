@@ -614,6 +614,7 @@ def serve(
     num_threads: int | None = None,
     log_level: str = "info",
     device=None,
+    init: str = "pretrained",
 ) -> None:
     """Load ``model``, start an :class:`~conveyor.rollout.engine.local.InferenceEngine` on it
     and serve it over HTTP until interrupted (``conveyor serve``); the engine is stopped on exit.
@@ -627,6 +628,7 @@ def serve(
         max_batch_size / seed / num_threads / device: The engine's (``InferenceEngine`` arguments;
             ``device`` None: the CPU).
         log_level: uvicorn's log level.
+        init: ``pretrained`` or ``random`` (:func:`conveyor.models.load_model`).
 
     Raises:
         conveyor.models.ModelLoadError: the model cannot be loaded.
@@ -637,9 +639,10 @@ def serve(
     from conveyor.models import load_model
     from conveyor.rollout.engine.local import InferenceEngine
 
-    lm = load_model(model)
+    lm = load_model(model, init=init)
     engine = InferenceEngine(lm.model, lm.tokenizer, max_batch_size=max_batch_size, seed=seed,
                              num_threads=num_threads, device=device)
+    log.info("serving %s%s on %s", model, " (random weights)" if init == "random" else "", engine.device)
     engine.start()
     try:
         app = build_app(engine, api_key=api_key, model_path=model)
