@@ -24,6 +24,19 @@ app = typer.Typer(
 console = Console()
 
 
+def _engine_options(device: str, init: str):
+    """``--device`` resolved for an engine (:func:`conveyor.devices.resolve`) after ``--init`` is
+    checked; exits with one line naming the flag otherwise."""
+    from conveyor.devices import resolve
+
+    if init not in ("pretrained", "random"):
+        _fail(f"--init must be pretrained or random, got {init!r}")
+    try:
+        return resolve(device, "--device", role="engine")
+    except ValueError as e:
+        _fail(str(e))
+
+
 def _slug(text: str) -> str:
     """A file-name-safe version of a model / dataset reference."""
     import re
@@ -236,14 +249,7 @@ def eval_cmd(
                       f"{'' if env_cfg is None else f', env {env_cfg.name}'}", soft_wrap=True)
     if batch_size < 1:
         _fail(f"--batch-size must be >= 1, got {batch_size}")
-    from conveyor.devices import resolve as resolve_device
-
-    try:
-        engine_device = resolve_device(device, "--device", role="engine")
-    except ValueError as e:
-        _fail(str(e))
-    if init not in ("pretrained", "random"):
-        _fail(f"--init must be pretrained or random, got {init!r}")
+    engine_device = _engine_options(device, init)
     try:
         SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     except ValueError as e:
@@ -596,14 +602,7 @@ def serve_cmd(
         _fail(f"--port must be in 1..65535, got {port}")
     if max_batch_size < 1:
         _fail(f"--max-batch-size must be >= 1, got {max_batch_size}")
-    from conveyor.devices import resolve as resolve_device
-
-    try:
-        engine_device = resolve_device(device, "--device", role="engine")
-    except ValueError as e:
-        _fail(str(e))
-    if init not in ("pretrained", "random"):
-        _fail(f"--init must be pretrained or random, got {init!r}")
+    engine_device = _engine_options(device, init)
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         console.print(f"[yellow]warning:[/] serving on {host} without --api-key: anyone who can "
                       "reach the port can generate and replace the weights", soft_wrap=True)
