@@ -120,6 +120,12 @@ def test_recorded_bf16_is_kept_only_on_the_same_kind_of_device(tmp_path):
     (tmp_path / "events.jsonl").write_text(json.dumps(  # written before device_type: a CPU run
         {"event": "precision", "bf16": False, "requested": "auto", "note": "x"}) + "\n")
     assert recorded_bf16(tmp_path, "cpu") is False and recorded_bf16(tmp_path, "cuda") is None
+    with (tmp_path / "events.jsonl").open("a") as f:  # then resumed on a GPU: each kind keeps its first choice
+        f.write(json.dumps({"event": "precision", "bf16": True, "requested": "auto", "note": "x",
+                            "device_type": "cuda"}) + "\n")
+        f.write(json.dumps({"event": "precision", "bf16": True, "requested": "auto", "note": "x",
+                            "device_type": "cpu"}) + "\n")
+    assert recorded_bf16(tmp_path, "cpu") is False and recorded_bf16(tmp_path, "cuda") is True
 
 
 def test_cuda_bf16_auto_does_not_time_a_product(monkeypatch):

@@ -326,15 +326,15 @@ def recorded_bf16(run_dir: Path, device_type: str | None = None) -> bool | None:
     """The choice ``trainer.bf16=auto`` made for this run: the ``bf16`` of the first ``precision``
     event in ``events.jsonl`` that auto decided (``requested == "auto"``; events written before
     that field: a note starting ``trainer.bf16=auto``). A resume keeps it rather than measuring
-    again (:func:`conveyor.hardware.resolve_bf16`). None: no such event (the run never chose), or
-    the choice was made for another kind of device than ``device_type`` (``cpu`` / ``cuda``: a
-    run moved between a GPU and a CPU chooses again; events without ``device_type`` were CPU runs)."""
+    again (:func:`conveyor.hardware.resolve_bf16`). With ``device_type`` (``cpu`` / ``cuda``) only
+    a choice made on that kind of device counts (a run moved between a GPU and a CPU chooses again,
+    once per kind; events without ``device_type`` were CPU runs). None: no such event."""
     for row in read_jsonl(run_dir / EVENTS):
         if row.get("event") != "precision" or not isinstance(row.get("bf16"), bool):
             continue
+        if device_type is not None and row.get("device_type", "cpu") != device_type:
+            continue
         if row.get("requested", "auto" if str(row.get("note", "")).startswith("trainer.bf16=auto") else None) == "auto":
-            if device_type is not None and row.get("device_type", "cpu") != device_type:
-                return None
             return row["bf16"]
     return None
 
