@@ -57,6 +57,12 @@ Sections:
    if time allows): the same with an environment wait per episode (``rollout.env_latency``,
    log-normal median 2 s, sigma 0.5). Run directories live in a temporary directory, removed.
 
+``--sdpa no_cudnn`` turns PyTorch's cuDNN attention backend off in this process, not in the async
+section's ``conveyor train`` children (SDPA then picks its memory-efficient kernel for masked
+attention): the engine's decode step changes its key length every step, and a cuDNN attention
+plan is built per new shape (the hypothesis of docs/results/gpu.md, "What the numbers say", to
+be measured on the next GPU lease).
+
 Prints one JSON summary line at the end (the full results are in ``--out``).
 """
 
@@ -293,6 +299,7 @@ def env_info(b: Bench) -> dict:
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
         "torch_cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "cpu_count": os.cpu_count(), "platform": platform.platform(), "cuda_available": torch.cuda.is_available(),
+        "sdpa": b.args.sdpa,
     }
     if b.cuda:
         p = torch.cuda.get_device_properties(b.dev)
@@ -715,6 +722,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="seconds from the start; optional items run only while time is left, waits end there "
                          "(default 225; --quick 900)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sdpa", choices=("default", "no_cudnn"), default="default",
+                    help="no_cudnn: torch.backends.cuda.enable_cudnn_sdp(False) for the whole run")
     # peak
     ap.add_argument("--matmul-n", type=int, default=8192)
     ap.add_argument("--matmul-warmup", type=int, default=3)
@@ -802,6 +811,8 @@ def summary(b: Bench) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
+    if args.sdpa == "no_cudnn":
+        torch.backends.cuda.enable_cudnn_sdp(False)
     b = Bench(args)
 
     def on_term(signum, _frame):

@@ -3,7 +3,9 @@
 # transformers and peft but no internet (docs/results/gpu.md):
 #   1. tests/test_gpu.py: the engine and the trainer on CUDA against the CPU;
 #   2. benchmarks/gpu.py: bf16 peak, engine and trainer tokens/s, MFU, async / sync ratio on
-#      random-weight models of SmolLM2's shape and a ~1.5 B Qwen2 shape.
+#      random-weight models of SmolLM2's shape and a ~1.5 B Qwen2 shape;
+#   3. scripts/hf_compiled_decode_probe.py: transformers' decoding eager and as a CUDA graph
+#      (static cache + torch.compile), what graphs would buy the engine (GPU_PROBE_TIMEOUT=0 skips).
 # Prepare on a machine with the package index (the wheels the GPU image lacks, the shape
 # directories), then carry .gpu to the GPU machine and run this script there from the repo root:
 #   bash scripts/gpu_check.sh prepare        # here: .gpu/whl, .gpu/models
@@ -42,3 +44,9 @@ echo "tests: $(( $(date +%s) - T0 )) s"
 T0=$(date +%s)
 timeout "${GPU_BENCH_TIMEOUT:-330}" python3 benchmarks/gpu.py --out "$OUT/gpu.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -30
 echo "benchmarks: $(( $(date +%s) - T0 )) s"
+if [ "${GPU_PROBE_TIMEOUT:-200}" -gt 0 ]; then
+  T0=$(date +%s)
+  timeout "${GPU_PROBE_TIMEOUT:-200}" python3 scripts/hf_compiled_decode_probe.py .gpu/models/smollm2-135m \
+    --variants static_compiled,dynamic,static_eager --repeats 2 2>&1 | tee "$OUT/compiled_probe.txt" | grep -v Warning
+  echo "probe: $(( $(date +%s) - T0 )) s"
+fi

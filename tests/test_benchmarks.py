@@ -252,6 +252,25 @@ def test_gpu_benchmark_quick(quick):
     assert full["deferred"]["async/profile_b"]["ran"]
 
 
+def test_gpu_benchmark_sdpa_no_cudnn(tmp_path):
+    """``--sdpa no_cudnn`` turns PyTorch's cuDNN attention backend off for the run and records the
+    choice in the results' environment (the engine's cuDNN-plan hypothesis, docs/results/gpu.md)."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", Path(__file__).parents[1] / "benchmarks" / "gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        for choice, enabled in (("default", before), ("no_cudnn", False)):
+            out = tmp_path / f"{choice}.json"
+            mod.main(["--device", "cpu", "--quick", "--sections", "peak", "--sdpa", choice, "--out", str(out)])
+            assert json.loads(out.read_text())["env"]["sdpa"] == choice
+            assert torch.backends.cuda.cudnn_sdp_enabled() == enabled
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
 def test_proximal_costs_benchmark_quick(quick):
     r = _run(quick, "test_proximal_costs_benchmark_quick")
     assert r["table"]

@@ -6,6 +6,7 @@ tests/test_gpu.py."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,22 @@ def test_train_refuses_cuda_without_a_gpu_before_the_run_directory(tmp_path, key
     with pytest.raises(ConfigError, match=f"{key}=cuda: this process sees no CUDA device"):
         run_training(cfg)
     assert not run.exists()
+
+
+def test_compiled_decode_probe_on_cpu(tmp_path):
+    """scripts/hf_compiled_decode_probe.py (made for a lent GPU) runs its eager variants on the CPU
+    on a shape directory, one line each with ms per decode step, and skips the CUDA-graph one."""
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "shape_models.py"), str(tmp_path)], check=True,
+                   capture_output=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "hf_compiled_decode_probe.py"), str(tmp_path / "tiny"),
+                          "--batch", "2", "--prompt", "8", "--new", "4", "--repeats", "1"],
+                         check=True, capture_output=True, text=True, env=env, timeout=300).stdout
+    lines = {ln.split(":")[0]: ln for ln in out.splitlines() if not ln.startswith("#")}
+    assert set(lines) == {"dynamic", "static_eager", "static_compiled"}, out
+    for v in ("dynamic", "static_eager"):
+        assert "ms/decode step" in lines[v] and "failed" not in lines[v], out
+    assert lines["static_compiled"] == "static_compiled: skipped (needs CUDA)"
 
 
 def test_shape_models_and_random_init(tmp_path, tiny):
