@@ -240,4 +240,19 @@ def test_asyppo_run_end_to_end_and_num_critics_fixed_on_resume(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["critic/updates"] == 4 and r["critic/ensemble_std_mean"] >= 0 for r in rows)
     with pytest.raises(ValueError, match="critic.num_critics cannot change on resume"):
-        check_resume_compatible(run, load_config(None, [*args, "critic.num_critics=3"]))
+        check_resume_compatible(run, load_config(None, [*args, "critic.num_critics=1"]))
+
+
+def test_more_critics_than_responses_per_prompt_is_refused():
+    """Response j of a prompt trains critic j mod N: with fewer responses per prompt than critics
+    the last critics would never train yet sit in the ensemble's mean and masks (refused)."""
+    from pathlib import Path
+
+    from conveyor.config import load_config
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    with pytest.raises(ValueError, match=r"critic.num_critics=2 with rollout.group_size=1: .*critics 1..1 would never train"):
+        load_config(str(configs / "sao.yaml"), ["critic.num_critics=2"])
+    with pytest.raises(ValueError, match="critic.num_critics=3 with rollout.group_size=2"):
+        load_config(str(configs / "asyppo.yaml"), ["rollout.group_size=2", "critic.num_critics=3"])
+    assert load_config(str(configs / "asyppo.yaml"), ["rollout.group_size=2"]).critic.num_critics == 2

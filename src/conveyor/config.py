@@ -693,6 +693,13 @@ class TrainConfig(_Strict):
                 f"rollout.max_concurrent ({self.rollout.max_concurrent}) must be >= rollout.group_size ({self.rollout.group_size})"
             )
         _check_can_learn(self.rollout.temperature, self.rollout.group_size, self.loss.advantage)
+        if self.loss.advantage == "gae" and self.critic.num_critics > self.rollout.group_size:
+            # response j of a prompt trains critic j mod N (trainer/ensemble.py): critics past the
+            # group size would never train, yet would sit in the ensemble's mean and masks
+            raise ValueError(f"critic.num_critics={self.critic.num_critics} with rollout.group_size="
+                             f"{self.rollout.group_size}: response j of a prompt trains critic j mod N, so "
+                             f"critics {self.rollout.group_size}..{self.critic.num_critics - 1} would never train; "
+                             f"set critic.num_critics <= rollout.group_size")
         if self.rollout.filter_all_equal and self.rollout.group_size == 1:
             raise ValueError("rollout.filter_all_equal=true with rollout.group_size=1: a group of one response is "
                              "always all-equal, so every trajectory would be filtered; set "
