@@ -248,8 +248,6 @@ def test_more_critics_than_responses_per_prompt_is_refused():
     the last critics would never train yet sit in the ensemble's mean and masks (refused)."""
     from pathlib import Path
 
-    from conveyor.config import load_config
-
     configs = Path(__file__).resolve().parents[1] / "configs"
     with pytest.raises(ValueError, match=r"critic.num_critics=2 with rollout.group_size=1: .*critics 1..1 would never train"):
         load_config(str(configs / "sao.yaml"), ["critic.num_critics=2"])

@@ -60,13 +60,21 @@ def test_train_refuses_cuda_without_a_gpu_before_the_run_directory(tmp_path, key
     assert not run.exists()
 
 
-def test_compiled_decode_probe_on_cpu(tmp_path):
+@pytest.fixture(scope="module")
+def shape_dirs(tmp_path_factory):
+    """The directories scripts/shape_models.py writes (tiny, smollm2-135m, qwen2-1.5b), made once for
+    this module by running the script; the tests only read them."""
+    out = tmp_path_factory.mktemp("shapes")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "shape_models.py"), str(out)], check=True,
+                   capture_output=True)
+    return out
+
+
+def test_compiled_decode_probe_on_cpu(shape_dirs):
     """scripts/hf_compiled_decode_probe.py (made for a lent GPU) runs its eager variants on the CPU
     on a shape directory, one line each with ms per decode step, and skips the CUDA-graph one."""
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "shape_models.py"), str(tmp_path)], check=True,
-                   capture_output=True)
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "hf_compiled_decode_probe.py"), str(tmp_path / "tiny"),
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "hf_compiled_decode_probe.py"), str(shape_dirs / "tiny"),
                           "--batch", "2", "--prompt", "8", "--new", "4", "--repeats", "1"],
                          check=True, capture_output=True, text=True, env=env, timeout=300).stdout
     lines = {ln.split(":")[0]: ln for ln in out.splitlines() if not ln.startswith("#")}
@@ -76,31 +84,29 @@ def test_compiled_decode_probe_on_cpu(tmp_path):
     assert lines["static_compiled"] == "static_compiled: skipped (needs CUDA)"
 
 
-def test_shape_models_and_random_init(tmp_path, tiny):
+def test_shape_models_and_random_init(shape_dirs, tiny):
     """scripts/shape_models.py writes config + tokenizer directories; model.init=random builds the
     architecture with seeded random weights (the tiny directory gives the tiny preset's weights)."""
     from transformers import AutoConfig
 
     from conveyor.models import load_model
 
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "shape_models.py"), str(tmp_path)], check=True,
-                   capture_output=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["qwen2-1.5b", "smollm2-135m", "tiny"]
-    for d in tmp_path.iterdir():
+    assert sorted(p.name for p in shape_dirs.iterdir()) == ["qwen2-1.5b", "smollm2-135m", "tiny"]
+    for d in shape_dirs.iterdir():
         assert (d / "config.json").is_file() and (d / "tokenizer.json").is_file()
         assert not list(d.glob("*.safetensors"))  # no weights
-    q = AutoConfig.from_pretrained(str(tmp_path / "qwen2-1.5b"))
+    q = AutoConfig.from_pretrained(str(shape_dirs / "qwen2-1.5b"))
     assert (q.model_type, q.hidden_size, q.intermediate_size, q.num_hidden_layers, q.num_attention_heads,
             q.num_key_value_heads, q.vocab_size) == ("qwen2", 1536, 8960, 28, 12, 2, 49152)
-    again = load_model(str(tmp_path / "tiny"), seed=0, init="random")
+    again = load_model(str(shape_dirs / "tiny"), seed=0, init="random")
     for (name, a), b in zip(tiny.model.state_dict().items(), again.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
-    other = load_model(str(tmp_path / "tiny"), seed=1, init="random")
+    other = load_model(str(shape_dirs / "tiny"), seed=1, init="random")
     assert not torch.equal(next(other.model.parameters()), next(again.model.parameters()))
-    small = load_model(str(tmp_path / "smollm2-135m"), seed=0, init="random")
+    small = load_model(str(shape_dirs / "smollm2-135m"), seed=0, init="random")
     assert sum(p.numel() for p in small.model.parameters()) == 134_515_008
     with pytest.raises(ValueError, match="model.init='zeros'"):
-        load_model(str(tmp_path / "tiny"), init="zeros")
+        load_model(str(shape_dirs / "tiny"), init="zeros")
 
 
 def test_weight_update_copies_to_the_requested_place(tiny):
@@ -158,17 +164,15 @@ def test_cuda_bf16_auto_does_not_time_a_product(monkeypatch):
     assert use and "Fake GPU supports bf16" in note
 
 
-def test_inspect_loads_a_random_init_run_as_configured(tmp_path, tiny):
+def test_inspect_loads_a_random_init_run_as_configured(tmp_path, shape_dirs, tiny):
     """A model.init=random run without export or checkpoint: conveyor inspect's base model is the
     run's random model (its seed), not an attempt to load weights the directory does not hold."""
     from conveyor.config import load_config
     from conveyor.inspect_attention import load_policy
 
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "shape_models.py"), str(tmp_path / "m")], check=True,
-                   capture_output=True)
     run = tmp_path / "run"
     run.mkdir()
-    cfg = load_config(None, [f"model.name={tmp_path / 'm' / 'tiny'}", "model.init=random", "model.seed=0"])
+    cfg = load_config(None, [f"model.name={shape_dirs / 'tiny'}", "model.init=random", "model.seed=0"])
     (run / "config.json").write_text(json.dumps(cfg.to_dict()))
     policy = load_policy(run)
     for (name, a), b in zip(tiny.model.state_dict().items(), policy.model.state_dict().values(), strict=True):
@@ -210,18 +214,16 @@ def test_model_init_cannot_change_on_resume(tmp_path):
     check_resume_compatible(tmp_path, load_config(None, ["model.init=random"]))
 
 
-def test_model_directories_that_cannot_load_say_why(tmp_path):
+def test_model_directories_that_cannot_load_say_why(tmp_path, shape_dirs):
     """A fresh-user trial: a shape directory without model.init=random, one without a tokenizer, and a
     run directory ended in transformers tracebacks."""
     from conveyor.models import ModelLoadError, load_model
 
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "shape_models.py"), str(tmp_path / "m")], check=True,
-                   capture_output=True)
     with pytest.raises(ModelLoadError, match=r"has a config.json but no weights .* load it with model.init=random"):
-        load_model(str(tmp_path / "m" / "tiny"))
+        load_model(str(shape_dirs / "tiny"))
     bare = tmp_path / "bare"
     bare.mkdir()
-    (bare / "config.json").write_text((tmp_path / "m" / "tiny" / "config.json").read_text())
+    (bare / "config.json").write_text((shape_dirs / "tiny" / "config.json").read_text())
     with pytest.raises(ModelLoadError, match=r"model.init=random: .* has no tokenizer transformers can load"):
         load_model(str(bare), init="random")
     run = tmp_path / "run"
@@ -232,15 +234,13 @@ def test_model_directories_that_cannot_load_say_why(tmp_path):
         load_model(str(run))
 
 
-def test_eval_takes_init_random(tmp_path, monkeypatch):
+def test_eval_takes_init_random(tmp_path, shape_dirs, monkeypatch):
     from typer.testing import CliRunner
 
     from conveyor.cli import app
 
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "shape_models.py"), str(tmp_path / "m")], check=True,
-                   capture_output=True)
     monkeypatch.chdir(tmp_path)
-    r = CliRunner().invoke(app, ["eval", "--model", str(tmp_path / "m" / "tiny"), "--init", "random", "--n", "2",
+    r = CliRunner().invoke(app, ["eval", "--model", str(shape_dirs / "tiny"), "--init", "random", "--n", "2",
                                  "--max-new-tokens", "4", "--no-progress", "--device", "cpu"])
     assert r.exit_code == 0, r.output
     out = " ".join(r.output.split())
