@@ -216,6 +216,25 @@ def _fake_run_dir(path, *overrides, files=("metrics.jsonl",)):
     return path
 
 
+def test_eval_of_an_interrupted_runs_export_says_it_is_not_final(tmp_path):
+    """Fresh-user finding: a run stopped by Ctrl-C still exports, and `conveyor eval RUN` called
+    that export "the run's final policy"; conveyor.json now records the stop and eval says so."""
+    from conveyor.eval import load_export_settings, resolve_eval_model, write_export_settings
+
+    cfg = load_config(None, ["model.name=tiny", "trainer.total_steps=30"])
+    run = _fake_run_dir(tmp_path / "run", "trainer.total_steps=30", files=("metrics.jsonl", "summary.json"))
+    (run / "export").mkdir()
+    (run / "export" / "config.json").write_text("{}")
+    write_export_settings(run / "export", cfg, policy_version=7, interrupted=True)
+    assert load_export_settings(run / "export")["interrupted"] is True
+    model, note = resolve_eval_model(str(run))
+    assert model == str(run / "export")
+    assert "the policy at version 7 of 30" in note and "not its final policy" in note and "--resume" in note
+    write_export_settings(run / "export", cfg, policy_version=30)
+    assert load_export_settings(run / "export")["interrupted"] is False
+    assert "(the run's final policy)" in resolve_eval_model(str(run))[1]
+
+
 @pytest.mark.parametrize("overrides, files, make_export, reason", [
     (["run.export=false"], ("metrics.jsonl", "summary.json"), False, "does not exist: the run was started with "
                                                                      "run.export=false"),

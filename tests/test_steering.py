@@ -62,6 +62,28 @@ def test_plateau_after_eval_and_state_round_trip():
     assert t.controller.ratio == s.controller.ratio and t.monitor.evals == s.monitor.evals and t.eta == s.eta
 
 
+def test_changed_settings_keep_the_configured_eta():
+    """A checkpoint's eta and controller are restored only under the settings it was saved with
+    (fresh-user finding: a resume with async.eta=1 trained at the checkpoint's eta 3)."""
+    s, _ = make(controller=AsyncRatioController(eta_max=4), eta=3)
+    s.settings = {"adaptive": True, "eta_max": 4}
+    s.controller.update(0.0)
+    state = s.state_dict()
+    same, _ = make(controller=AsyncRatioController(eta_max=4), eta=2)
+    same.settings = {"adaptive": True, "eta_max": 4}
+    same.load_state_dict(state)
+    assert same.eta == 3 and same.controller.n_updates == 1
+    fixed, _ = make(eta=1)
+    fixed.settings = {"adaptive": False, "eta": 1}
+    assert fixed.changed_settings(state) == ["adaptive", "eta", "eta_max"]
+    fixed.load_state_dict(state)
+    assert fixed.eta == 1
+    old = {k: v for k, v in state.items() if k != "settings"}  # a checkpoint from before: restored as then
+    legacy, _ = make(eta=1)
+    legacy.load_state_dict(old)
+    assert legacy.eta == 3
+
+
 def test_adaptive_eta_in_a_run_and_across_a_resume(tmp_path):
     """A tiny run with async.adaptive: the start eta floor(0.7 x 4) = 2 replaces async.eta = 0,
     every change is an event with its reason, and the controller's state and eta survive a
@@ -94,10 +116,22 @@ def test_adaptive_eta_in_a_run_and_across_a_resume(tmp_path):
 
     st = steering()
     assert st["eta"] == 3 and st["controller"]["n_updates"] == 2
+    summary = json.loads((run / "summary.json").read_text())  # the bound in force, not async.eta
+    assert (summary["eta"], summary["eta_configured"], summary["eta_adaptive"]) == (3, 0, True)
     assert run_training(load_run_config(run, ["trainer.total_steps=3"]), resume_dir=run).steps == 3
     ch = eta_changes()
     assert (0, 3, "resumed") in ch and ch[-1][:2] == (3, 4)  # continued from the checkpoint, not restarted
     assert steering()["controller"]["n_updates"] == 3
+    # a resume that asks for a fixed bound gets it: the checkpoint's eta 4 and controller are not restored
+    assert run_training(load_run_config(run, ["trainer.total_steps=4", "async.adaptive=false", "async.eta=1"]),
+                        resume_dir=run).steps == 4
+    st = steering()
+    assert st["eta"] == 1 and st["controller"] is None and st["settings"] == {"adaptive": False, "eta": 1}
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    reset, = [e for e in events if e["event"] == "steering_reset"]
+    assert reset["checkpoint_eta"] == 4 and reset["new_eta"] == 1 and "async.adaptive" in reset["changed"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["eta"] == 1
     # the report draws the eta steps and alert markers (plot_report raises here, unlike at the run's end)
     from conveyor.runlog import plot_report
 

@@ -178,7 +178,7 @@ _AGENT_FIELDS = ("env", "max_turns", "max_episode_tokens", "turns_mean", "tool_c
 
 
 def write_export_settings(export_dir: str | Path, cfg: TrainConfig, *, policy_version: int,
-                          heldout_pass_at_1: float | None = None) -> Path:
+                          heldout_pass_at_1: float | None = None, interrupted: bool = False) -> Path:
     """Write :data:`EXPORT_SETTINGS_FILE` (``conveyor.json``) into a run's export directory: what
     evaluating the exported policy needs to reproduce the run's own held-out figure.
 
@@ -190,7 +190,10 @@ def write_export_settings(export_dir: str | Path, cfg: TrainConfig, *, policy_ve
     ``top_p``, ``top_k``, ``min_p``, ``max_new_tokens``: how the policy was sampled while it was
     trained), ``eval`` (the held-out evaluation's settings: ``dataset``, ``limit``,
     ``split_seed``, ``k``, ``temperature`` (0, greedy), ``top_p``, ``max_new_tokens``) and
-    ``heldout_pass_at_1`` (the run's figure with those settings, None when not evaluated), and
+    ``heldout_pass_at_1`` (the run's figure with those settings, None when not evaluated),
+    ``total_steps`` (``trainer.total_steps``) and ``interrupted`` (true: the run stopped before
+    ``total_steps``, by a Ctrl-C / SIGTERM or a monitor's ``stop`` action; the export is the
+    policy at ``policy_version``, not the final one), and
     ``env`` (the ``env`` config section, when ``env.name`` is not ``none``: ``conveyor eval`` then
     runs that environment's episodes).
 
@@ -199,6 +202,7 @@ def write_export_settings(export_dir: str | Path, cfg: TrainConfig, *, policy_ve
         cfg: The run's :class:`~conveyor.config.TrainConfig`.
         policy_version: The exported policy's version (optimizer steps).
         heldout_pass_at_1: The run's held-out pass@1 after training, if measured.
+        interrupted: The run was stopped before ``trainer.total_steps``.
 
     Returns:
         The path of the written file.
@@ -226,6 +230,8 @@ def write_export_settings(export_dir: str | Path, cfg: TrainConfig, *, policy_ve
                  "k": 1, "temperature": 0.0, "top_p": 1.0,
                  "max_new_tokens": cfg.run.eval_max_new_tokens},
         "heldout_pass_at_1": heldout_pass_at_1,
+        "total_steps": cfg.trainer.total_steps,
+        "interrupted": bool(interrupted),
     }
     env = getattr(cfg, "env", None)
     if env is not None and env.name != "none":
@@ -325,8 +331,14 @@ def resolve_eval_model(model: str) -> tuple[str, str | None]:
         return model, None
     export = run_dir / "export"
     if (export / "config.json").is_file():
-        return str(export), (f"{model} is a conveyor training run directory: evaluating its export {export} "
-                             "(the run's final policy)")
+        settings = load_export_settings(export) or {}
+        if settings.get("interrupted"):
+            what = (f"the policy at version {settings.get('policy_version')} of {settings.get('total_steps')}: the "
+                    f"run was stopped early, this is not its final policy; `conveyor train --resume {model}` "
+                    "finishes it and exports again")
+        else:
+            what = "the run's final policy"
+        return str(export), f"{model} is a conveyor training run directory: evaluating its export {export} ({what})"
     if export.is_dir():
         why = f"{export} has no config.json: an incomplete export (the run stopped while exporting?)"
     else:

@@ -459,7 +459,8 @@ def _finish(cfg: TrainConfig, job: _Job, parts: RolloutSide, loop: LoopResult, l
         # reproduces the held-out figure by default (issue 10, section 5b)
         from conveyor.eval import write_export_settings
 
-        write_export_settings(export_dir, cfg, policy_version=trainer.version, heldout_pass_at_1=after)
+        write_export_settings(export_dir, cfg, policy_version=trainer.version, heldout_pass_at_1=after,
+                              interrupted=loop.interrupted or trainer.version < cfg.trainer.total_steps)
         logger.event("export", path=str(export_dir), version=trainer.version)
     seg = segment_summary(run_dir, {  # wall-clock over every process segment of the run
         "segment": logger.segment, "wall_seconds": loop.wall_s, "trainer_busy_seconds": loop.trainer_busy_s,
@@ -470,7 +471,9 @@ def _finish(cfg: TrainConfig, job: _Job, parts: RolloutSide, loop: LoopResult, l
         "run_dir": str(run_dir), "steps": trainer.version, "heldout_before": before, "heldout_after": after,
         "wall_seconds": seg["wall_seconds"], "interrupted": loop.interrupted,
         "trainer_busy": seg["trainer_busy"], "engine_busy": seg["engine_busy"],
-        "segments": seg["segments"], "eta": cfg.asynchronous.eta, "controller": controller.counters(),
+        "segments": seg["segments"], "controller": controller.counters(),
+        # the bound in force at the end (the adaptive controller / monitor may have moved it) and the configured one
+        "eta": loop.eta, "eta_configured": cfg.asynchronous.eta, "eta_adaptive": cfg.asynchronous.adaptive,
         # the cost ledger of the proximal strategy (MISSION.md section 2)
         "proximal": {
             "method": trainer.proximal.name if needs_proximal else "none",

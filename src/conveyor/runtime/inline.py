@@ -395,6 +395,9 @@ class LoopResult:
         error: The exception that ended it (re-raised by the caller after the final checkpoint
             and the engine statistics are written), or None.
         mean_proximal_s / mean_train_step_s: Means over the recorded steps (s).
+        engine_stats: The engine's counters at the end of the loop.
+        eta: The staleness bound in force at the end (``async.eta``, or what the adaptive
+            controller, a monitor action or a resumed checkpoint made of it; None: unbounded).
     """
 
     wall_s: float
@@ -405,6 +408,7 @@ class LoopResult:
     mean_proximal_s: float = 0.0
     mean_train_step_s: float = 0.0
     engine_stats: dict = field(default_factory=dict)
+    eta: int | None = None
 
 
 def _health(controller):
@@ -433,14 +437,25 @@ def build_steering(cfg: TrainConfig, trainer: Trainer, controller, logger: Metri
     ratio = (AsyncRatioController(base=a.ratio_base, r_min=a.ratio_min, r_max=a.ratio_max, step=a.ratio_step,
                                   threshold=a.variance_threshold, eta_max=a.eta_max) if a.adaptive else None)
 
+    settings = {"adaptive": a.adaptive} if a.adaptive else {"adaptive": False, "eta": a.eta}
+    if a.adaptive:  # async.eta plays no part then
+        settings.update(eta_max=a.eta_max, ratio_base=a.ratio_base, ratio_min=a.ratio_min, ratio_max=a.ratio_max,
+                        ratio_step=a.ratio_step, variance_threshold=a.variance_threshold)
     steering = RunSteering(monitor, ratio, ratio.eta() if ratio is not None else a.eta, set_eta=controller.set_eta,
                            scale_lr=trainer.scale_lr, request_stop=stop.set, event=logger.event, say=console.print,
-                           lr_scale=m.lr_scale)
+                           lr_scale=m.lr_scale, settings=settings)
+    changed = steering.changed_settings(state) if state else []
+    if changed:
+        saved = state.get("eta")
+        logger.event("steering_reset", version=trainer.version, checkpoint_eta=saved, new_eta=steering.eta,
+                     changed=[f"async.{k}" for k in changed])
+        console.print(f"async.{', async.'.join(changed)} changed since the checkpoint: eta {steering.eta} "
+                      f"(the checkpoint's {saved} and its controller state are not restored)")
     if state:
         steering.load_state_dict(state)
     if steering.eta != a.eta:
         controller.set_eta(steering.eta)
-        reason = "resumed" if state else "async.adaptive: floor(ratio_base x eta_max)"
+        reason = ("resumed" if state and not changed else "async.adaptive: floor(ratio_base x eta_max)")
         logger.event("eta_change", version=trainer.version, old_eta=a.eta, new_eta=steering.eta, reason=reason)
         console.print(f"eta {steering.eta} instead of async.eta={a.eta} ({reason})")
     return steering
@@ -553,4 +568,5 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
     # train) that alone gave 1.09-1.35 x wall
     engine_busy = min(wall, clock.engine_busy_since_start(eng_end))
     prox_s, train_s = recorder.mean_seconds()
-    return LoopResult(wall, clock.trainer_busy, engine_busy, interrupted, error, prox_s, train_s, eng_end)
+    return LoopResult(wall, clock.trainer_busy, engine_busy, interrupted, error, prox_s, train_s, eng_end,
+                      eta=steering.eta)

@@ -39,13 +39,18 @@ class RunSteering:
         request_stop: ``() -> None``: stop gracefully after the current step.
         event: ``(name, **fields) -> None``: write an event (``events.jsonl``).
         say: ``(text) -> None``: a console line.
+        settings: The configuration the eta and the controller follow (``async.eta``,
+            ``async.adaptive``, ``async.eta_max``, the ratio keys): saved in :meth:`state_dict`
+            so that a resume can tell whether its configuration changed them
+            (:meth:`changed_settings`).
     """
 
     def __init__(self, monitor: RunMonitor | None, controller: AsyncRatioController | None, eta: int | None, *,
                  set_eta: Callable[[int], None], scale_lr: Callable[[float], None],
                  request_stop: Callable[[], None], event: Callable[..., None], say: Callable[[str], None],
-                 lr_scale: float = 0.5):
+                 lr_scale: float = 0.5, settings: dict | None = None):
         self.monitor, self.controller, self.eta = monitor, controller, eta
+        self.settings = dict(settings or {})
         self._set_eta, self._scale_lr, self._stop = set_eta, scale_lr, request_stop
         self._event, self._say, self.lr_scale = event, say, lr_scale
         if monitor is not None:
@@ -101,15 +106,29 @@ class RunSteering:
         return alerts
 
     def state_dict(self) -> dict:
-        """The controller's state, the eta in force and the monitor's evaluations (checkpoints)."""
+        """The controller's state, the eta in force, the settings they follow and the monitor's
+        evaluations (checkpoints)."""
         return {"eta": self.eta, "controller": self.controller.state_dict() if self.controller else None,
-                "evals": list(self.monitor.evals) if self.monitor else []}
+                "evals": list(self.monitor.evals) if self.monitor else [], "settings": dict(self.settings)}
+
+    def changed_settings(self, state: dict) -> list[str]:
+        """The keys of :attr:`settings` whose value differs from those saved in ``state``
+        (a checkpoint written before the settings were saved: none, it is restored as before)."""
+        saved = state.get("settings")
+        if not saved:
+            return []
+        return sorted(k for k in set(saved) | set(self.settings) if saved.get(k) != self.settings.get(k))
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` output (then the caller applies :attr:`eta`)."""
-        if self.controller is not None and state.get("controller"):
-            self.controller.load_state_dict(state["controller"])
-        self.eta = state.get("eta", self.eta)
+        """Restore :meth:`state_dict` output (then the caller applies :attr:`eta`). When the
+        settings changed since the checkpoint (:meth:`changed_settings`: e.g. a resume with
+        ``async.eta=1`` or ``async.adaptive=false``) the eta and the controller stay as this
+        configuration starts them, so the bound asked for is the one in force; the monitor's
+        evaluations are restored either way."""
+        if not self.changed_settings(state):
+            if self.controller is not None and state.get("controller"):
+                self.controller.load_state_dict(state["controller"])
+            self.eta = state.get("eta", self.eta)
         if self.monitor is not None:
             self.monitor.evals = list(state.get("evals", []))
             self.monitor.set_eta(self.eta)
