@@ -93,6 +93,7 @@ def test_eval_cli_runs_an_environment(tmp_path):
     assert res["env"] == "guess" and res["dataset"] == "guess:heldout?high=10" and res["num_problems"] == 3
     assert all(1 <= int(rec["answer"]) <= 10 for rec in res["records"])
     assert 1 <= res["turns_mean"] <= 2 and res["max_turns"] == 2 and res["tool_call_rate"] == 0
+    assert res["env_options"] == {"high": 10} and res["tool_format"] == "auto"  # the episodes' settings recorded
     # an episode cut at --max-turns 2 (6 guesses allowed) ended without an answer: wrong, not unknown
     assert res["correct_unknown"] == 0 and all(v in (True, False) for rec in res["records"] for v in rec["correct"])
     assert res["instruction"] == "" and all(1 <= t <= 2 for rec in res["records"] for t in rec["turns"])
@@ -109,3 +110,36 @@ def test_eval_cli_runs_an_environment(tmp_path):
     ]:
         r = CliRunner().invoke(app, ["eval", "--model", "tiny", "--n", "1", "--env-option", "high=10", *args])
         assert r.exit_code == 2 and message in " ".join(r.output.split()), r.output
+
+
+def test_inspect_takes_an_episodes_exact_tokens(tmp_path):
+    """Fresh-user finding: `conveyor inspect` of an environment run rebuilt the single-turn prompt
+    (a different token sequence from the episode's). The evaluation now records the first episode's
+    ids and inspect uses them as they are; a record from before, without them, is refused."""
+    from conveyor.inspect_attention import InspectError, inspect_run, load_trajectory
+    from conveyor.models import load_model
+    from conveyor.runtime_files import atomic_write_json
+
+    run = tmp_path / "run"
+    run.mkdir()
+    atomic_write_json(run / "config.json", load_config(None, [*BASE, "env.name=guess", "env.options.high=10",
+                                                              "data.heldout=guess:heldout?high=10"]).to_dict())
+    r = CliRunner().invoke(app, ["eval", "--model", "tiny", "--env", "guess", "--n", "2", "--max-turns", "2",
+                                 "--max-new-tokens", "6", "--env-option", "high=10", "--no-progress",
+                                 "-o", str(run / "eval_after.json")])
+    assert r.exit_code == 0, r.output
+    ev = json.loads((run / "eval_after.json").read_text())
+    ids = ev["records"][1]["episode_ids"]
+    assert len(ids["response"]) == len(ids["action_mask"]) and 0 in ids["action_mask"]  # an observation inside
+    tok = load_model("tiny").tokenizer
+    tr = load_trajectory(run, tok, sample=1)
+    assert tr.exact_ids and tr.prompt_ids == ids["prompt"] and tr.response_ids == ids["response"]
+    res = inspect_run(run, sample=1, top=1)
+    assert res.prompt_len == len(ids["prompt"]) and len(res.trajectory.ids) == len(ids["prompt"]) + len(ids["response"])
+    r = CliRunner().invoke(app, ["inspect", str(run), "--sample", "1", "--top", "1"])
+    assert r.exit_code == 0 and "the episode exactly as generated" in " ".join(r.output.split()), r.output
+    for rec in ev["records"]:
+        del rec["episode_ids"]
+    (run / "eval_after.json").write_text(json.dumps(ev))
+    with pytest.raises(InspectError, match="episode of env guess written without its token ids"):
+        load_trajectory(run, tok, sample=0)

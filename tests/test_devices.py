@@ -245,5 +245,22 @@ def test_eval_takes_init_random(tmp_path, shape_dirs, monkeypatch):
     assert r.exit_code == 0, r.output
     out = " ".join(r.output.split())
     assert "(random weights) loaded" in out and "engine on cpu" in out
+    # an export's random-weight evaluation (fresh-user finding): no policy version, init recorded, and a
+    # default output path of its own (it overwrote the export's real figure)
+    import shutil
+
+    from conveyor.config import load_config
+    from conveyor.eval import write_export_settings
+
+    export = tmp_path / "run" / "export"
+    shutil.copytree(shape_dirs / "tiny", export)
+    write_export_settings(export, load_config(None, ["model.name=tiny", "data.heldout=mawps:singleop"]),
+                          policy_version=5)
+    r = CliRunner().invoke(app, ["eval", "--model", str(export), "--init", "random", "--n", "1",
+                                 "--max-new-tokens", "2", "--no-progress", "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    written, = (tmp_path / "runs" / "eval").glob("*export*__init_random.json")
+    res = json.loads(written.read_text())
+    assert res["init"] == "random" and res["policy_version"] is None
     r = CliRunner().invoke(app, ["eval", "--model", "tiny", "--init", "zeros"])
     assert r.exit_code == 2 and "--init must be pretrained or random" in r.output

@@ -155,6 +155,10 @@ def test_cli_bad_arguments(tiny_run):
     assert "--sample 2 is out of range: there are 2 records in eval_after.json (0..1)" in fails(str(tiny_run), "--sample", "2")
     assert "layer 2 is out of range: there are 2 layers (0..1)" in fails(str(tiny_run), "--layer", "2")
     assert "is not a conveyor run directory (no config.json)" in fails(str(tiny_run.parent / "nope"))
+    # a file type matplotlib cannot write: refused before the forward pass, no traceback (fresh-user finding)
+    out = fails(str(tiny_run), "--plot", str(tiny_run.parent / "x.txt"))
+    assert "--plot" in out and ".txt is not an image type" in out and ".png" in out and "Traceback" not in out
+    assert "no file type" in fails(str(tiny_run), "--plot", str(tiny_run.parent / "heatmap"))
 
 
 def test_policy_sources(tiny_run, tmp_path):

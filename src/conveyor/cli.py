@@ -287,10 +287,12 @@ def eval_cmd(
         _fail(str(e))
     finally:
         engine.stop()
-    res.settings_from, res.split_seed = settings_from, split_seed
-    res.policy_version = exported.get("policy_version")  # a run's export: the version it holds
+    res.settings_from, res.split_seed, res.init = settings_from, split_seed, init
+    # a run's export: the version it holds (random weights hold none)
+    res.policy_version = exported.get("policy_version") if init == "pretrained" else None
     env_part = "" if env_cfg is None else f"__env_{_slug(env_cfg.name)}"
-    out = output or Path("runs") / "eval" / f"{_slug(model)}__{_slug(dataset)}{env_part}.json"
+    init_part = "" if init == "pretrained" else f"__init_{_slug(init)}"  # never overwrites the model's own figure
+    out = output or Path("runs") / "eval" / f"{_slug(model)}__{_slug(dataset)}{env_part}{init_part}.json"
     res.write_json(out)
     summ = res.summary()
     console.print_json(json.dumps(summ))
@@ -447,6 +449,14 @@ def inspect_cmd(
     def note(msg: str) -> None:
         console.print(f"[bold yellow]note:[/] {escape(msg)}", emoji=False, soft_wrap=True)
 
+    if plot is not None:  # before the forward pass: a file type matplotlib cannot write is refused now
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        kinds = FigureCanvasAgg.get_supported_filetypes()
+        suffix = plot.suffix.lower().lstrip(".")
+        if suffix not in kinds:
+            _fail(f"--plot {plot}: {'no file type' if not suffix else f'.{suffix} is not an image type'}; "
+                  f"use one of {', '.join('.' + k for k in sorted(kinds))} (e.g. --plot attention.png)")
     try:
         res = inspect_run(run_dir, sample=sample, layer=layer, head=head, top=top, target=target,
                           exclude_self=exclude_self, warn=note)
@@ -463,7 +473,9 @@ def inspect_cmd(
             "" if tr.version_source == "recorded" else f" ({tr.version_source.split(';')[0]})")
     console.print(f"trajectory: record {tr.index} of {tr.eval_file} ({tr.sample_id}, {verdict}), generated "
                   f"{generated}; prompt tokens 0..{res.prompt_len - 1}, response tokens "
-                  f"{res.prompt_len}..{len(tr.ids) - 1} (the response text re-encoded)", markup=False, soft_wrap=True)
+                  f"{res.prompt_len}..{len(tr.ids) - 1} ("
+                  f"{'the episode exactly as generated, observations included' if tr.exact_ids else 'the response text re-encoded'})",
+                  markup=False, soft_wrap=True)
     if res.version_warning is not None:
         console.print(f"[bold yellow]warning:[/] {escape(res.version_warning)}", emoji=False, soft_wrap=True)
     console.print(f"layer {res.layer} of 0..{res.num_layers - 1}, {head_txt} ({res.num_heads} heads); top {top} "
@@ -475,7 +487,7 @@ def inspect_cmd(
         title = f"{run_dir.name}: {tr.sample_id}, layer {res.layer}, {head_txt}"
         try:
             out = plot_attention(res.matrix, res.labels, res.prompt_len, plot, title=title)
-        except OSError as e:
+        except (OSError, ValueError) as e:
             _fail(f"cannot write the heat map {plot}: {e}")
         console.print(f"heat map written to {out}", markup=False, soft_wrap=True)
 

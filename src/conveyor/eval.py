@@ -98,10 +98,15 @@ class EvalResult:
             evaluations (:func:`conveyor.runtime.inline.heldout_eval`) and by ``conveyor eval``
             of a run's export (its ``conveyor.json``); None otherwise (any other model, or an
             evaluation file written before the field existed).
+        init: ``pretrained`` (the model's weights) or ``random`` (its architecture with random
+            weights, ``conveyor eval --init random``: a speed measurement, not the model's
+            accuracy; ``policy_version`` is then None).
         env: The environment whose episodes were evaluated (``env.name``), ``"none"`` for
             single responses. The figures below are set only with an environment (None
             otherwise, and left out of :meth:`summary`):
         max_turns, max_episode_tokens: The episode limits.
+        tool_format: The tool-call format the episodes used (``env.tool_format``).
+        env_options: The environment's keyword options (``env.options``, ``--env-option``).
         turns_mean: Model turns per episode, mean.
         tool_calls_mean: Turns that called a tool, per episode, mean.
         tool_call_rate: Share of model turns that called a tool.
@@ -118,7 +123,8 @@ class EvalResult:
             STYLE_METRICS`); empty when the service computes none.
         records: Per-problem details (question id, answer, responses, verdicts: True, False or
             None when unknown; with an environment also each episode's turns, reward and
-            counters).
+            counters, and ``episode_ids``: the first episode's exact token ids, ``prompt`` (P),
+            ``response`` (R, observations included) and ``action_mask`` (R, 1 = generated)).
     """
 
     dataset: str
@@ -142,9 +148,12 @@ class EvalResult:
     settings_from: str | None = None
     split_seed: int | None = None
     policy_version: int | None = None
+    init: str = "pretrained"
     env: str = "none"
     max_turns: int | None = None
     max_episode_tokens: int | None = None
+    tool_format: str | None = None
+    env_options: dict[str, Any] | None = None
     turns_mean: float | None = None
     tool_calls_mean: float | None = None
     tool_call_rate: float | None = None
@@ -173,7 +182,7 @@ class EvalResult:
         p.write_text(json.dumps(d, indent=2))
 
 
-_AGENT_FIELDS = ("env", "max_turns", "max_episode_tokens", "turns_mean", "tool_calls_mean", "tool_call_rate",
+_AGENT_FIELDS = ("env", "max_turns", "max_episode_tokens", "tool_format", "env_options", "turns_mean", "tool_calls_mean", "tool_call_rate",
                  "tool_call_success_rate", "sandbox_incidents", "reward_mean", "episodes_cut")
 
 
@@ -643,6 +652,10 @@ def _episode_figures(workflow, engine, samples, params, env, *, n, k, dataset, m
             "turns": [t.metadata.get("turns", 0) for t in trajs],
             "rewards": [float(t.reward) for t in trajs],
             "env_stats": stats,
+            # the first episode's exact tokens (observations included, never re-encoded): conveyor inspect
+            "episode_ids": {"prompt": list(trajs[0].prompt_ids), "response": list(trajs[0].response_ids),
+                            "action_mask": (None if trajs[0].action_mask is None else
+                                            [int(m) for m in trajs[0].action_mask])},
         })
     total = len(samples) * n
     return EvalResult(
@@ -653,6 +666,7 @@ def _episode_figures(workflow, engine, samples, params, env, *, n, k, dataset, m
         temperature=params.temperature, max_new_tokens=params.max_new_tokens, top_p=params.top_p,
         tool="none", instruction=instruction, correct_unknown=n_unknown, records=records,
         env=env.name, max_turns=env.max_turns, max_episode_tokens=env.max_episode_tokens,
+        tool_format=env.tool_format, env_options=dict(env.options),
         turns_mean=turns / total, tool_calls_mean=calls / total, tool_call_rate=calls / turns if turns else 0.0,
         tool_call_success_rate=calls_ok / calls if calls else None, sandbox_incidents=incidents,
         reward_mean=sum(rewards) / total, episodes_cut=n_cut,

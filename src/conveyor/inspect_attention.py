@@ -410,6 +410,8 @@ class Trajectory:
         index: Its record index there. correct: the evaluation's verdict (True / False / None).
         policy_version: The policy version that generated the response (the evaluation's;
             None: unknown). version_source: how it is known (:func:`eval_file_version`).
+        exact_ids: The ids are the recorded episode's own (an environment's episode), not
+            the response text re-encoded.
     """
 
     prompt_ids: list[int]
@@ -420,6 +422,7 @@ class Trajectory:
     correct: bool | None = None
     policy_version: int | None = None
     version_source: str = "recorded"
+    exact_ids: bool = False
 
     @property
     def ids(self) -> list[int]:
@@ -458,7 +461,9 @@ def load_trajectory(run_dir: str | Path, tokenizer, sample: int = 0) -> Trajecto
     the evaluation's instruction, else the run's ``data.instruction``). The response is the
     record's first response text, encoded once without special tokens: the decoded text
     re-encoded, which can split differently from the generated ids (fine for inspection; with a
-    tool, the inserted observations are part of that text).
+    tool, the inserted observations are part of that text). An environment's episode (a record
+    with ``episode_ids``, written by :func:`conveyor.eval.evaluate` with ``env``) is taken as its
+    exact token ids instead: its multi-turn prompt is not the single-turn one rebuilt here.
 
     Args:
         run_dir: The run directory. tokenizer: the policy's tokenizer.
@@ -466,7 +471,8 @@ def load_trajectory(run_dir: str | Path, tokenizer, sample: int = 0) -> Trajecto
 
     Raises:
         FileNotFoundError: no evaluation file. InspectError: ``sample`` out of range (valid range
-        named), a record without responses or with an empty one, a sample id not in its data set.
+        named), a record without responses or with an empty one, a sample id not in its data set,
+        an environment's record written without ``episode_ids``.
         conveyor.data.DatasetError: the data set cannot be loaded.
     """
     from conveyor.data import load_dataset
@@ -474,6 +480,19 @@ def load_trajectory(run_dir: str | Path, tokenizer, sample: int = 0) -> Trajecto
 
     path, ev, rec = eval_record(run_dir, sample)
     responses = rec["responses"]
+    version, how = eval_file_version(path, ev)
+    correct = (rec.get("correct") or [None])[0]
+    ids = rec.get("episode_ids")
+    if ids:  # an environment's episode: its exact tokens, observations included
+        prompt, response = [int(t) for t in ids["prompt"]], [int(t) for t in ids["response"]]
+        if not prompt or not response:
+            raise InspectError(f"record {sample} of {path.name} ({rec.get('id')}): its episode has no tokens")
+        return Trajectory(prompt, response, str(rec.get("id")), path, sample, correct, version, how, exact_ids=True)
+    if ev.get("env", "none") != "none":
+        raise InspectError(f"record {sample} of {path.name} is an episode of env {ev['env']} written without its "
+                           "token ids (an evaluation file from an older conveyor): its multi-turn prompt cannot be "
+                           "rebuilt; evaluate again (`conveyor eval --model RUN/export`, which records them) "
+                           "and inspect that run")
     settings, _ = run_settings(run_dir)
     dataset = ev.get("dataset") or settings["heldout"]
     split_seed = ev.get("split_seed")
@@ -490,8 +509,6 @@ def load_trajectory(run_dir: str | Path, tokenizer, sample: int = 0) -> Trajecto
     response = list(tokenizer(responses[0], add_special_tokens=False)["input_ids"])
     if not response:
         raise InspectError(f"record {sample} of {path.name}: the response encodes to no tokens")
-    correct = (rec.get("correct") or [None])[0]
-    version, how = eval_file_version(path, ev)
     return Trajectory(prompt, response, s.id, path, sample, correct, version, how)
 
 
