@@ -56,3 +56,30 @@ def test_settings_errors_name_the_key():
         MonitorSettings(actions={"plateau": "panic"})
     with pytest.raises(ValueError, match="monitor.lr_scale"):
         MonitorSettings(lr_scale=2.0)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["monitor.actions.plateau=stop"], "monitor.actions.plateau=stop can never fire: the plateau rule reads the "
+                                       "periodic held-out evaluations and run.eval_every is not set"),
+    (["monitor.actions.plateau=stop", "run.eval_every=5", "data.heldout="], "and data.heldout is empty"),
+    (["monitor.actions.keep_rate=lower_eta"], "monitor.actions.keep_rate=lower_eta can never fire: the discrepancy "
+                                              "keep-rate is measured by loss.name=two_ratio or proximal.method=ewma"),
+    (["monitor.actions.nonfinite=stop", "monitor.enabled=false"], "with monitor.enabled=false: no rule is evaluated"),
+    (["async.adaptive=true", "async.eta_max=0"], "async.adaptive=true with async.eta_max=0"),
+])
+def test_actions_that_cannot_fire_are_refused(overrides, message):
+    """Fresh-user finding: these were accepted and the run went on as if they were armed."""
+    from conveyor.config import ConfigError, load_config
+
+    with pytest.raises((ValueError, ConfigError)) as e:
+        load_config(None, overrides)
+    assert message in " ".join(str(e.value).split())
+
+
+def test_actions_that_can_fire_are_accepted():
+    from conveyor.config import load_config
+
+    for overrides in (["monitor.actions.plateau=stop", "run.eval_every=5"], ["monitor.actions.keep_rate=stop",
+                      "loss.name=two_ratio"], ["monitor.actions.keep_rate=scale_lr", "proximal.method=ewma"],
+                      ["monitor.actions.plateau=none"], ["async.adaptive=true", "async.eta_max=1"]):
+        load_config(None, overrides)

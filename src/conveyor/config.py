@@ -585,6 +585,40 @@ class MonitorConfig(_Strict):
     actions: dict[Literal["plateau", "keep_rate", "nonfinite", "staleness_pinned", "reward_failures"], MonitorAction] = Field(
         default_factory=dict, description="rule -> none | lower_eta | scale_lr | stop")
 
+    @field_validator("actions", mode="before")
+    @classmethod
+    def _none_is_a_word(cls, v):
+        # `monitor.actions.plateau=none` on the command line (or `plateau: none` in YAML) parses as null
+        return {k: "none" if a is None else a for k, a in v.items()} if isinstance(v, dict) else v
+
+
+def _check_monitor_actions(cfg) -> None:
+    """Refuse a ``monitor.actions`` entry whose rule can never fire with this configuration
+    (fresh-user finding: the run went on as if the action were armed).
+
+    Raises:
+        ValueError: an action with ``monitor.enabled=false``; ``plateau`` without periodic held-out
+            evaluations (``run.eval_every`` and ``data.heldout``); ``keep_rate`` without a
+            discrepancy keep-rate metric (``loss.name=two_ratio`` or ``proximal.method=ewma``).
+    """
+    armed = {rule: act for rule, act in cfg.monitor.actions.items() if act != "none"}
+    if not armed:
+        return
+    first = next(iter(armed))
+    if not cfg.monitor.enabled:
+        raise ValueError(f"monitor.actions.{first}={armed[first]} with monitor.enabled=false: no rule is evaluated, "
+                         "so the action can never fire; set monitor.enabled=true or drop the action")
+    if "plateau" in armed and (cfg.run.eval_every is None or not cfg.data.heldout):
+        why = "run.eval_every is not set" if cfg.run.eval_every is None else "data.heldout is empty"
+        raise ValueError(f"monitor.actions.plateau={armed['plateau']} can never fire: the plateau rule reads the "
+                         f"periodic held-out evaluations and {why}; set run.eval_every=N (with data.heldout) or "
+                         "drop the action")
+    if "keep_rate" in armed and cfg.loss.name != "two_ratio" and cfg.proximal.method != "ewma":
+        raise ValueError(f"monitor.actions.keep_rate={armed['keep_rate']} can never fire: the discrepancy keep-rate "
+                         f"is measured by loss.name=two_ratio or proximal.method=ewma, and this run has "
+                         f"loss.name={cfg.loss.name}, proximal.method={cfg.proximal.method}; drop the action "
+                         "or use one of them")
+
 
 class RuntimeConfig(_Strict):
     """Which runtime runs the step protocol (issue 12): ``inline`` (every component in this
@@ -674,6 +708,11 @@ class TrainConfig(_Strict):
             if not a.ratio_min <= a.ratio_base <= a.ratio_max:
                 raise ValueError(f"async.ratio_min ({a.ratio_min}) <= async.ratio_base ({a.ratio_base}) <= "
                                  f"async.ratio_max ({a.ratio_max}) is required with async.adaptive=true")
+            if a.eta_max == 0:
+                raise ValueError("async.adaptive=true with async.eta_max=0: eta = floor(ratio x 0) is 0 at every "
+                                 "ratio, the controller could never change the bound; set async.eta_max >= 1, or "
+                                 "async.adaptive=false async.eta=0 for a synchronous run")
+        _check_monitor_actions(self)
         if self.rollout.elastic_threads and self.runtime.name != "inline":
             raise ValueError("rollout.elastic_threads=true needs runtime.name=inline (the engine borrows the "
                              "trainer's threads in one process; a Ray actor's engine has its own CPUs)")
