@@ -139,8 +139,13 @@ def analyse(run: Path, *, new_threshold: float = 0.5, old_threshold: float = 0.1
     """Rows, per-switch adaptations and a one-line description of the schedule of run ``run``.
 
     Raises:
-        SystemExit: no ``style/*`` metrics in ``RUN/metrics.jsonl``.
+        SystemExit: ``run`` is not a directory, has no ``metrics.jsonl``, or no ``style/*`` metrics
+            in it.
     """
+    if not run.is_dir():
+        raise SystemExit(f"{run}: no such run directory")
+    if not (run / "metrics.jsonl").is_file():
+        raise SystemExit(f"{run}: no metrics.jsonl (not a run directory, or the run has not logged a step yet)")
     rows = [r for r in read_jsonl(run / "metrics.jsonl") if any(f"style/{s}_rate" in r for s in STYLES)]
     if not rows:
         raise SystemExit(f"{run / 'metrics.jsonl'}: no style/<name>_rate metrics: not a preference-shift run "

@@ -105,11 +105,38 @@ def test_eval_cli_runs_an_environment(tmp_path):
         (["--env", "guess", "--env-option", "high=abc"],
          "env.options.high='abc' (str): the guess environment expects an integer >= 1"),
         (["--env", "guess", "--dataset", "guess:heldout?high=100"],
-         "--dataset=guess:heldout?high=100 plays numbers up to high=100 but env.options.high=10"),
-        (["--env", "shell"], "env.name must be none, guess, math_python"),
+         "--dataset=guess:heldout?high=100 plays numbers up to high=100 but --env-option high=10"),
+        (["--env", "shell"], "env.name must be none, guess, math_python, 'package.module:factory' (a user "
+                             "environment) or 'openai:package.module:function'"),
     ]:
         r = CliRunner().invoke(app, ["eval", "--model", "tiny", "--n", "1", "--env-option", "high=10", *args])
         assert r.exit_code == 2 and message in " ".join(r.output.split()), r.output
+    # the value is quoted once, not "got 'shell' (got 'shell')" (fresh-user finding)
+    r = CliRunner().invoke(app, ["eval", "--model", "tiny", "--env", "shell"])
+    assert r.exit_code == 2 and " ".join(r.output.split()).count("'shell'") == 1, r.output
+
+
+def test_eval_names_an_exports_guess_range_as_its_origin(tmp_path):
+    """Fresh-user finding: with a run's export whose env.options.high is 10, `--dataset
+    guess:heldout?high=100` was refused as disagreeing with "env.options.high=10", which the user
+    never wrote: the message now names the export's settings file (and a flag as the flag)."""
+    from conveyor.eval import EXPORT_SETTINGS_FILE
+
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / EXPORT_SETTINGS_FILE).write_text(json.dumps({
+        "format": 1, "dataset": "guess:heldout?high=10", "env": {"name": "guess", "options": {"high": 10}}}))
+    from conveyor.models import load_model
+
+    m = load_model("tiny")
+    m.model.save_pretrained(export)
+    m.tokenizer.save_pretrained(export)
+    r = CliRunner().invoke(app, ["eval", "--model", str(export), "--n", "1", "--dataset", "guess:heldout?high=100"])
+    out = "".join(r.output.split())  # (a long path wraps anywhere)
+    assert r.exit_code == 2 and f"butenv.options.high=10(from{export / EXPORT_SETTINGS_FILE})" in out, r.output
+    r = CliRunner().invoke(app, ["eval", "--model", str(export), "--n", "1", "--env-option", "high=20",
+                                 "--dataset", "guess:heldout?high=100"])
+    assert r.exit_code == 2 and "but --env-option high=20" in " ".join(r.output.split()), r.output
 
 
 def test_inspect_takes_an_episodes_exact_tokens(tmp_path):

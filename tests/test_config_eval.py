@@ -201,6 +201,20 @@ def test_unknown_key_is_named_as_such():
         load_config(None, ["foo.bar=3"])
 
 
+def test_a_message_that_quotes_the_value_does_not_repeat_it():
+    """Fresh-user finding: "L an integer >= 1; got 'policy:x' (got 'policy:x')"; a message that
+    does not quote the value still gets it once (a bound of 10 does not hide a value of 1)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["critic.backbone=policy:x"])
+    assert str(e.value).endswith("L an integer >= 1; got 'policy:x'")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["rollout.group_size=0"])
+    assert str(e.value).endswith("rollout.group_size: Input should be greater than or equal to 1 (got 0)")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["critic.backbone=head:x"])
+    assert str(e.value).count("'head:x'") == 1
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--k", "0"], "--k must be an integer >= 1 (the k of pass@k), got 0"),
     (["--k", "-2"], "--k must be an integer >= 1 (the k of pass@k), got -2"),

@@ -369,6 +369,12 @@ def test_lag_and_suppression_hand_computed(tmp_path, capsys):
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.0}) + "\n")
     with pytest.raises(SystemExit, match="not a preference-shift run"):
         ps.main([str(run)])
+    # fresh-user finding: a mistyped run directory was reported as "not a preference-shift run"
+    with pytest.raises(SystemExit, match="no such run directory"):
+        ps.main([str(tmp_path / "runn")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no metrics.jsonl"):
+        ps.main([str(tmp_path / "empty")])
 
 
 def test_a_missing_judge_model_is_a_clear_error_naming_the_install(monkeypatch):

@@ -191,7 +191,7 @@ def eval_cmd(
 
     from conveyor.config import ConfigError
     from conveyor.data import DatasetError, load_dataset
-    from conveyor.eval import evaluate, load_export_settings, resolve_eval_model
+    from conveyor.eval import EXPORT_SETTINGS_FILE, evaluate, load_export_settings, resolve_eval_model
     from conveyor.models import ModelLoadError, load_model
     from conveyor.rollout.engine import InferenceEngine, SamplingParams
 
@@ -233,8 +233,13 @@ def eval_cmd(
 
         try:
             check_guess_options(env_cfg.options)
-            dataset = guess_spec_for(dataset, env_cfg.options.get("high"),
-                                     "--dataset" if dataset_flag is not None else "dataset")
+            high_flag = any(o.partition("=")[0].strip() == "high" for o in env_option or [])
+            dataset = guess_spec_for(
+                dataset, env_cfg.options.get("high"),
+                "--dataset" if dataset_flag is not None
+                else "dataset" if settings_from is None else f"the dataset of {settings_from}",
+                *(("--env-option high", None) if high_flag or not exported_env or exported_env.get("name") != "guess"
+                  else ("env.options.high", str(Path(model) / EXPORT_SETTINGS_FILE))))
         except ValueError as e:
             _fail(str(e))
     if env_cfg is not None and tool != "none":

@@ -214,8 +214,8 @@ class EnvConfig(_Strict):
             if v.startswith("openai:") and not all(v[len("openai:"):].partition(":")[::2]):
                 raise ValueError(f"env.name={v!r}: an OpenAI-client agent is named 'openai:package.module:function'")
             if v not in ("none", *BUILTIN_ENVS) and not (":" in v and all(v.partition(":")[::2])):
-                raise ValueError(f"env.name must be none, {', '.join(BUILTIN_ENVS)} or 'package.module:factory', "
-                                 f"got {v!r}")
+                raise ValueError(f"env.name must be none, {', '.join(BUILTIN_ENVS)}, 'package.module:factory' (a user "
+                                 "environment) or 'openai:package.module:function' (agent code using the openai client)")
         return v
 
 
@@ -988,7 +988,9 @@ def format_validation_error(e: ValidationError, src: str, what: str = "config") 
             lines.append(f"  {err['msg'].removeprefix('Value error, ')}")
             continue
         msg = "unknown key" if err.get("type") == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
-        lines.append(f"  {loc}: {msg} (got {err.get('input')!r})")
+        got = err.get("input")
+        # a validator whose message already quotes the value says it once (not "..., got 'x' (got 'x')")
+        lines.append(f"  {loc}: {msg}" if f"got {got!r}" in msg else f"  {loc}: {msg} (got {got!r})")
     return f"invalid {what} ({src}):\n" + "\n".join(lines)
 
 

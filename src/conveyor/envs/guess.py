@@ -57,13 +57,17 @@ def check_guess_options(options: dict) -> None:
             _check(name, options[name], low, integer)
 
 
-def guess_spec_for(spec: str, high: int | None, key: str = "data.train") -> str:
+def guess_spec_for(spec: str, high: int | None, key: str = "data.train", option_key: str = "env.options.high",
+                   origin: str | None = None) -> str:
     """A ``guess`` data spec that plays the environment's range ``high`` (``env.options.high``).
 
     Args:
         spec: A data spec; only ``guess[:train|:heldout][?...]`` specs are changed.
         high: The environment's ``high`` option, None when not given (the spec is kept).
         key: The config key or flag holding ``spec``, for the error message.
+        option_key: The config key or flag that set ``high``, for the error message.
+        origin: The file ``high`` was read from (an export's settings), None when it was given here;
+            for the error message.
 
     Returns:
         ``spec`` with ``high=<high>`` added when it has no ``high=`` option (the option wins over
@@ -79,7 +83,8 @@ def guess_spec_for(spec: str, high: int | None, key: str = "data.train") -> str:
         name, _, value = pair.partition("=")
         if name.strip() == "high":
             if value.strip() != str(high) and not (value.strip().isdigit() and int(value) == high):
-                raise ValueError(f"{key}={spec} plays numbers up to high={value.strip()} but env.options.high={high}: "
+                raise ValueError(f"{key}={spec} plays numbers up to high={value.strip()} but {option_key}={high}"
+                                 f"{'' if origin is None else f' (from {origin})'}: "
                                  "give the range once (drop high= from the spec, or the option) or make them agree")
             return spec
     return f"{spec}{'&' if query else '?'}high={high}"
