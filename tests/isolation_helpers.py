@@ -43,6 +43,14 @@ def outside_main_process(response: str, sample: Sample) -> float:
     return 0.0 if str(os.getpid()) == os.environ.get(MAIN_PID_ENV) else 1.0
 
 
+def sleeps_then_correct(response: str, sample: Sample) -> float:
+    """1.0 after 0.3 s (a slow answer check)."""
+    import time
+
+    time.sleep(0.3)
+    return 1.0
+
+
 def raises(response: str, sample: Sample) -> float:
     """A metric function that always fails."""
     raise RuntimeError("metric boom")

@@ -181,6 +181,11 @@ def test_style_reward_is_a_builtin_and_unpickles_warm(monkeypatch):
     # a reward worker unpickles it: the judge loads then (not in the first call's timeout) and the
     # result is the module's object, so the service's `correct` metric reuses the reward
     assert pickle.loads(pickle.dumps(style_reward)) is style_reward and calls == [1]
+    # given as the import path `style` the worker is not handed a pickle: the service's start-up hook
+    # (conveyor.rewards.service.warm_up) loads the judge instead, for the reward and the style metrics
+    style_reward.warm_up()
+    assert calls == [1, 1]
+    assert all(getattr(getattr(styles, f"in_{s}"), "warm_up", None) is not None for s in STYLES)
 
 
 @needs_judge

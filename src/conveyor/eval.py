@@ -82,7 +82,11 @@ class EvalResult:
         format_rate: Share of responses in the strict answer format (``rewards.format_ok``).
         mean_response_tokens: Mean generated tokens per response (tokens).
         tokens_per_second: Generated tokens / generation wall-clock (tokens/s).
-        wall_seconds: Generation wall-clock (s).
+        wall_seconds: Generation wall-clock (s); an environment's episodes include their reward
+            checks.
+        check_seconds: Wall-clock of the answer checks after generation (s; single responses:
+            :meth:`~conveyor.rewards.RewardService.check_many`; 0 for an environment). The
+            evaluation's own time is ``wall_seconds + check_seconds``.
         temperature, max_new_tokens: Sampling settings.
         top_p: Nucleus sampling setting.
         tool: ``"none"`` or ``"calculator"`` (the agent evaluated). max_tool_calls: its limit.
@@ -145,6 +149,7 @@ class EvalResult:
     max_tool_calls: int = 4
     instruction: str = ""
     correct_unknown: int = 0
+    check_seconds: float = 0.0
     settings_from: str | None = None
     split_seed: int | None = None
     policy_version: int | None = None
@@ -249,6 +254,17 @@ def write_export_settings(export_dir: str | Path, cfg: TrainConfig, *, policy_ve
 
     return atomic_write_json(Path(export_dir) / EXPORT_SETTINGS_FILE, settings,
                              what="the export settings")
+
+
+def unknown_note(res: EvalResult) -> str:
+    """A console note on ``res``'s answers whose check failed (``correct_unknown``: timed out or
+    crashed in the reward service, counted as wrong), or ``""`` when there are none (fresh-user
+    finding: a held-out figure of 0.000 hid that every check had timed out)."""
+    if not res.correct_unknown:
+        return ""
+    total = res.num_problems * res.samples_per_problem
+    return (f"  [yellow]{res.correct_unknown} of {total} answers unknown[/] (their checks failed, see "
+            "train.log; counted as wrong)")
 
 
 def load_export_settings(model: str | Path) -> dict[str, Any] | None:
@@ -503,7 +519,9 @@ def _generate_and_score(engine, tokenizer, samples, prompts, params, service, *,
         by_problem.setdefault(i, []).append(out)
     # one isolated worker call per response (the metrics only, never the service's reward)
     pairs = [(o.text, s) for i, s in enumerate(samples) for o in by_problem[i]]
+    t_check = time.perf_counter()
     checks = iter(service.check_many(pairs))
+    check_seconds = time.perf_counter() - t_check
     records = []
     p1, pk = [], {str(kk): [] for kk in _ks(n, k)}
     n_fmt = n_tok = n_correct_all = n_unknown = 0
@@ -544,6 +562,7 @@ def _generate_and_score(engine, tokenizer, samples, prompts, params, service, *,
         mean_response_tokens=gen_tokens / total,
         tokens_per_second=gen_tokens / wall if wall > 0 else math.nan,
         wall_seconds=wall,
+        check_seconds=check_seconds,
         temperature=params.temperature,
         max_new_tokens=params.max_new_tokens,
         top_p=params.top_p,

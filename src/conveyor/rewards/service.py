@@ -50,7 +50,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -157,13 +157,32 @@ def _load(payload: bytes | str) -> RewardFn:
     return load_reward_fn(payload) if isinstance(payload, str) else pickle.loads(payload)
 
 
+def warm_up(fns: Sequence[Any]) -> None:
+    """Call the ``warm_up()`` of each function in ``fns`` that has one, once per distinct hook: a
+    reward or metric function's optional hook for slow one-time set-up (e.g. the style judge's
+    model, :mod:`conveyor.rewards.styles`). The service runs it while a worker starts (within
+    ``start_timeout_s``), so the set-up never counts against the first call's ``timeout_s``,
+    whether the function was given as an object or as an import path.
+
+    Raises:
+        Exception: whatever a hook raises (a worker reports it as a start error).
+    """
+    seen: set[int] = set()
+    for f in fns:
+        hook = getattr(f, "warm_up", None)
+        if callable(hook) and id(hook) not in seen:
+            seen.add(id(hook))
+            hook()
+
+
 def _child_main(conn: Any, payload: _Payload) -> None:
-    """Entry point of a worker process: load the reward and metric functions, then serve calls
-    until EOF."""
+    """Entry point of a worker process: load the reward and metric functions and run their
+    :func:`warm_up` hooks, then serve calls until EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
     try:
         fn = _load(payload[0])
         metric_fns = tuple((name, _load(p)) for name, p in payload[1])
+        warm_up([fn, *(f for _, f in metric_fns)])
     except BaseException as exc:  # noqa: BLE001
         conn.send(("start_error", _describe(exc)))
         return
@@ -306,6 +325,10 @@ class _ThreadWorker:
 
     def ensure_started(self) -> None:
         if self._thread is None:
+            try:  # once per process in effect: a hook caches what it loads
+                warm_up([self._fn, *(f for _, f in self._metric_fns)])
+            except Exception as exc:  # noqa: BLE001
+                raise _WorkerStartError(f"reward worker could not warm up: {_describe(exc)}") from exc
             self._inbox = queue.SimpleQueue()
             self._thread = threading.Thread(
                 target=_helper_loop,

@@ -516,6 +516,13 @@ class StyleReward:
     def __reduce__(self):
         return (_warm_style_reward, ())
 
+    @staticmethod
+    def warm_up() -> None:
+        """Load the judge's model now (the reward service's start-up hook,
+        :func:`conveyor.rewards.service.warm_up`: a worker given ``reward.fn=style`` as an
+        import path loads the model while it starts, not within the first call's timeout)."""
+        get_judge()
+
     def __repr__(self) -> str:
         return "conveyor.rewards.styles.style_reward"
 
@@ -550,6 +557,10 @@ def in_classical(response: str, sample: Sample) -> float:
     """1.0 when ``response`` is judged classical (whatever the target), else 0.0."""
     return _in_style("classical", response, sample)
 
+
+for _fn in (in_cute, in_chuunibyou, in_classical):
+    _fn.warm_up = get_judge  # type: ignore[attr-defined]  # the service's start-up hook (StyleReward.warm_up)
+del _fn
 
 STYLE_METRICS: dict[str, str] = {
     "correct": "conveyor.rewards.styles:style_reward",

@@ -29,7 +29,7 @@ import torch
 from conveyor.checkpoint import save_checkpoint
 from conveyor.config import TrainConfig
 from conveyor.data import DatasetError
-from conveyor.eval import evaluate
+from conveyor.eval import evaluate, unknown_note
 from conveyor.faults import fault_point
 from conveyor.rewards import RewardService
 from conveyor.rewards.styles import service_metrics
@@ -541,7 +541,7 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
                     logger.scalars(trainer.version, {"heldout/pass_at_1": res.pass_at_1,
                                                      "heldout/format_rate": res.format_rate})
                     console.print(f"  held-out pass@1 at version {trainer.version}: {res.pass_at_1:.3f} "
-                                  f"({res.wall_seconds:.0f} s)")
+                                  f"({res.wall_seconds + res.check_seconds:.0f} s)" + unknown_note(res))
                     steering.after_eval(trainer.version, res.pass_at_1)
                 runtime_state = {"steering": steering.state_dict()}
                 if runtime_state != sent_state:  # for the checkpoints; unchanged: no call (an actor call on Ray)
