@@ -232,3 +232,43 @@ def test_eval_environment_flag_errors_are_formatted():
     out = _cli_fails("eval", "--model", "tiny", "--env", "guess", "--max-turns", "0")
     assert "invalid environment settings (" in out and "max_turns: Input should be greater than or equal to 1 (got 0)" in out
     assert "errors.pydantic.dev" not in out and "validation error for" not in out
+
+
+def test_yaml_duplicate_keys_refused_and_value_errors_name_the_line(tmp_path):
+    """Fresh-user findings: a second `trainer:` block silently replaced the first; a value error
+    from a file named the key but not where it is; a syntax error said "<unicode string>"."""
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("model:\n  name: tiny\ntrainer:\n  lr: 1.0e-5\n  total_steps: 5\ntrainer:\n  batch_size: 2\n")
+    with pytest.raises(ConfigError, match=re.escape(f"config file {dup} line 6: the key 'trainer' is given twice "
+                                                    "(first at line 3)")):
+        load_config(dup)
+    inner = tmp_path / "inner.yaml"
+    inner.write_text("async:\n  eta: 1\n  eta: 2\n")
+    with pytest.raises(ConfigError, match=re.escape("line 3: the key 'async.eta' is given twice (first at line 2)")):
+        load_config(inner)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  name: tiny\ntrainer:\n  lr: 1.0e-5\n  betas: [2, 0.9]\nasync:\n  eta: two\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    assert f"trainer.betas.0: Input should be less than 1 (got 2) [{bad} line 5]" in str(e.value)
+    assert f"(got 'two') [{bad} line 7]" in str(e.value)
+    with pytest.raises(ConfigError) as e:  # a key the command line set is not the file's
+        load_config(bad, ["async.eta=x"])
+    assert "(got 'x')\n" in str(e.value) + "\n" and f"[{bad} line 7]" not in str(e.value)
+    syn = tmp_path / "syn.yaml"
+    syn.write_text("model:\n  name: tiny\n trainer: 3\n")
+    with pytest.raises(ConfigError, match=re.escape(f'in "{syn}", line 3')):
+        load_config(syn)
+
+
+@pytest.mark.parametrize("item, needle", [
+    ("loss.eps_low=2", "loss.eps_low: Input should be less than 1 (got 2)"),
+    ("loss.behaviour_weight_cap=0.5", "loss.behaviour_weight_cap: Input should be greater than 1 (got 0.5)"),
+    ("trainer.betas=[2,0.9]", "trainer.betas.0: Input should be less than 1 (got 2)"),
+    ("critic.betas=[0.9,1.0]", "critic.betas.1: Input should be less than 1 (got 1.0)"),
+])
+def test_values_the_trainer_would_refuse_late_are_refused_when_the_config_loads(item, needle):
+    """Fresh-user finding: these passed validation, then failed after the model load and the
+    held-out evaluation with a traceback that named no key."""
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(None, [item])

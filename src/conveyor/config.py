@@ -11,9 +11,13 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+AdamBeta = Annotated[float, Field(ge=0, lt=1)]
+"""One of AdamW's betas: torch refuses a value outside [0, 1) only when the optimiser is built."""
 
 
 class _Strict(BaseModel):
@@ -269,10 +273,11 @@ class LossConfig(_Strict):
     name: Literal["decoupled_ppo", "ppo", "two_ratio", "dis"] = Field(
         default="decoupled_ppo",
         description="decoupled_ppo (AReaL), ppo (clip vs pi_behav), two_ratio (arXiv 2605.12070), dis (SAO double-sided mask)")
-    eps_low: float = Field(default=0.2, ge=0)
-    eps_high: float = Field(default=0.28, ge=0)
+    eps_low: float = Field(default=0.2, ge=0, lt=1, description="the ratio's lower clip 1 - eps_low (PPO)")
+    eps_high: float = Field(default=0.28, ge=0, description="the ratio's upper clip 1 + eps_high (DAPO's clip-higher)")
     dual_clip: float | None = Field(default=None, gt=1.0)
-    behaviour_weight_cap: float | None = Field(default=5.0, gt=0)
+    behaviour_weight_cap: float | None = Field(default=5.0, gt=1, description="AReaL's cap on pi_prox / pi_behav "
+                                                                            "(> 1); null: uncapped")
     behaviour_weight_cap_mode: Literal["clamp", "mask"] = "mask"
     advantage: Literal["grpo", "dr_grpo", "reinforce", "gae", "sliding_window"] = Field(
         default="grpo", description="grpo / dr_grpo (group baseline), reinforce (batch-mean baseline), gae (a critic: the "
@@ -310,7 +315,7 @@ class CriticConfig(_Strict):
                                                         "vocabulary (e.g. tiny)")
     lr: float = Field(default=5e-5, gt=0, description="critic learning rate (SAO: 5x the actor's)")
     weight_decay: float = Field(default=0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[AdamBeta, AdamBeta] = Field(default=(0.9, 0.999), description="AdamW's (beta1, beta2), each in [0, 1)")
     grad_clip: float | None = Field(default=1.0, gt=0)
     updates_per_step: int = Field(default=2, ge=1, description="K: critic optimiser steps per policy update, on "
                                                                "returns computed once with the pre-update critic")
@@ -456,7 +461,7 @@ class TrainerConfig(_Strict):
                                                            "without training use `conveyor eval`")
     lr: float = Field(default=2e-5, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[AdamBeta, AdamBeta] = Field(default=(0.9, 0.999), description="AdamW's (beta1, beta2), each in [0, 1)")
     grad_clip: float | None = Field(default=1.0, gt=0)
     warmup_steps: int = Field(default=2, ge=0)
     schedule: Literal["constant", "cosine"] = "constant"
@@ -970,7 +975,8 @@ def split_override(item: str, *, command: str = "conveyor train", others: Sequen
     return key, value.strip()
 
 
-def format_validation_error(e: ValidationError, src: str, what: str = "config") -> str:
+def format_validation_error(e: ValidationError, src: str, what: str = "config",
+                            key_lines: dict[str, str] | None = None) -> str:
     """A pydantic validation error as the message of a :class:`ConfigError`: a first line
     ``invalid <what> (<src>):``, then one line per error, ``  <dotted.key>: <message> (got <value>)``
     (an unknown key says so), or the message alone for a rule across keys. No pydantic type
@@ -980,17 +986,28 @@ def format_validation_error(e: ValidationError, src: str, what: str = "config") 
         e: The error of a ``model_validate``.
         src: Where the values came from (a file, ``defaults + key=value ...``).
         what: What was validated (``config``, ``simulator config``).
+        key_lines: Dotted key -> where a config file set it (``FILE line N``, :func:`_read_yaml`):
+            appended to that key's line (a list element's error names its list's line).
     """
     lines = []
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"])
+        where = None
+        if key_lines:
+            parts = [str(x) for x in err["loc"]]
+            while parts and where is None:
+                where = key_lines.get(".".join(parts))
+                if not parts[-1].isdigit():
+                    break
+                parts = parts[:-1]
         if not loc:  # a rule across keys (the message names them); the input is the whole config
             lines.append(f"  {err['msg'].removeprefix('Value error, ')}")
             continue
         msg = "unknown key" if err.get("type") == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
         got = err.get("input")
         # a validator whose message already quotes the value says it once (not "..., got 'x' (got 'x')")
-        lines.append(f"  {loc}: {msg}" if f"got {got!r}" in msg else f"  {loc}: {msg} (got {got!r})")
+        line = f"  {loc}: {msg}" if f"got {got!r}" in msg else f"  {loc}: {msg} (got {got!r})"
+        lines.append(line if where is None else f"{line} [{where}]")
     return f"invalid {what} ({src}):\n" + "\n".join(lines)
 
 
@@ -1018,6 +1035,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             message names the key and the file.
     """
     data: dict[str, Any] = {}
+    key_lines: dict[str, str] = {}
     src = "defaults"
     if path is not None:
         p = Path(path)
@@ -1027,9 +1045,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         text = p.read_text()
         try:
             if p.suffix in (".yaml", ".yml"):
-                import yaml
-
-                data = yaml.safe_load(text) or {}
+                data, key_lines = _read_yaml(p, text)
             elif p.suffix == ".json":
                 data = json.loads(text)
             else:
@@ -1044,7 +1060,50 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         k, v = split_override(item, others=overrides)
         _set_dotted(data, k, _parse_value(v))
         src += f" + {item}"
+        # a key the command line set (or a section it replaced) is not the file's any more
+        key_lines = {fk: w for fk, w in key_lines.items() if not (fk == k or fk.startswith(k + "."))}
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, src)) from e
+        raise ConfigError(format_validation_error(e, src, key_lines=key_lines)) from e
+
+
+def _read_yaml(path: Path, text: str) -> tuple[Any, dict[str, str]]:
+    """A YAML config file's data and where each key is (dotted key -> ``FILE line N``), refusing
+    a key given twice in one mapping (YAML keeps the last silently: a second ``trainer:`` block
+    dropped the first's keys; fresh-user finding).
+
+    Raises:
+        ConfigError: a duplicate key (both lines named).
+        yaml.YAMLError: a syntax error (its message names the file and line).
+    """
+    import io
+
+    import yaml
+
+    stream = io.StringIO(text)
+    stream.name = str(path)  # the parser's messages name the file, not "<unicode string>"
+    node = yaml.compose(stream, Loader=yaml.SafeLoader)
+    key_lines: dict[str, str] = {}
+
+    def walk(n: Any, prefix: str) -> None:
+        if isinstance(n, yaml.MappingNode):
+            seen: dict[str, int] = {}
+            for k, v in n.value:
+                if not isinstance(k, yaml.ScalarNode) or k.value == "<<":
+                    continue
+                key, line = k.value, k.start_mark.line + 1
+                if key in seen:
+                    raise ConfigError(f"config file {path} line {line}: the key {prefix + key!r} is given twice (first "
+                                      f"at line {seen[key]}); YAML would keep only the second: merge them into one")
+                seen[key] = line
+                key_lines[prefix + key] = f"{path} line {line}"
+                walk(v, prefix + key + ".")
+        elif isinstance(n, yaml.SequenceNode):
+            for item in n.value:
+                walk(item, prefix + "[].")
+
+    walk(node, "")
+    stream = io.StringIO(text)
+    stream.name = str(path)
+    return (yaml.safe_load(stream) or {}), key_lines
