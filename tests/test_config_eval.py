@@ -272,3 +272,34 @@ def test_values_the_trainer_would_refuse_late_are_refused_when_the_config_loads(
     held-out evaluation with a traceback that named no key."""
     with pytest.raises(ConfigError, match=re.escape(needle)):
         load_config(None, [item])
+
+
+@pytest.mark.parametrize("items, needle", [
+    (["data.train=mawps:singleop:heldout"], "data.heldout=mawps:singleop:heldout is the training set itself"),
+    (["async.eta_max=8", "async.ratio_base=0.3"], "async.eta_max, async.ratio_base set, but async.adaptive=false"),
+    (["lora.rank=32", "lora.sync=adapter"], "lora.rank, lora.sync set, but lora.enabled=false"),
+    (["proximal.interpolation=linear"], "proximal.interpolation set, but proximal.method=recompute"),
+    (["proximal.ewma_beta=0.5"], "proximal.ewma_beta set, but proximal.method=recompute"),
+    (["log.wandb_project=foo", "log.wandb_mode=online"], "log.wandb_project, log.wandb_mode set, but log.wandb=false"),
+])
+def test_settings_that_another_setting_turns_off_are_warned(items, needle):
+    """Fresh-user findings: these were ignored without a word (critic.* and env.* were warned),
+    and training on the held-out set itself was met with advice about the default held-out set."""
+    from conveyor.preflight import config_warnings
+
+    warnings = config_warnings(load_config(None, items))
+    assert any(needle in w for w in warnings), warnings
+    assert not any("still the default" in w for w in warnings)
+    # the same keys where they take effect: no warning
+    on = {"async": ["async.adaptive=true"], "lora.": ["lora.enabled=true"], "proximal.interpolation": [
+        "proximal.method=interpolate"], "proximal.ewma": ["proximal.method=ewma"], "log.": ["log.wandb=true"]}
+    for prefix, extra in on.items():
+        if items[0].startswith(prefix):
+            assert config_warnings(load_config(None, [*items, *extra])) == []
+
+
+def test_a_staleness_pinned_action_without_a_bound_is_refused():
+    with pytest.raises(ConfigError, match="staleness_pinned=lower_eta can never fire"):
+        load_config(None, ["monitor.actions.staleness_pinned=lower_eta", "async.eta=0"])
+    load_config(None, ["monitor.actions.staleness_pinned=lower_eta", "async.eta=2"])
+    load_config(None, ["monitor.actions.staleness_pinned=lower_eta", "async.eta=0", "async.adaptive=true"])

@@ -604,7 +604,8 @@ def _check_monitor_actions(cfg) -> None:
     Raises:
         ValueError: an action with ``monitor.enabled=false``; ``plateau`` without periodic held-out
             evaluations (``run.eval_every`` and ``data.heldout``); ``keep_rate`` without a
-            discrepancy keep-rate metric (``loss.name=two_ratio`` or ``proximal.method=ewma``).
+            discrepancy keep-rate metric (``loss.name=two_ratio`` or ``proximal.method=ewma``);
+            ``staleness_pinned`` with no bound (``async.eta`` 0 or null, not adaptive).
     """
     armed = {rule: act for rule, act in cfg.monitor.actions.items() if act != "none"}
     if not armed:
@@ -618,6 +619,11 @@ def _check_monitor_actions(cfg) -> None:
         raise ValueError(f"monitor.actions.plateau={armed['plateau']} can never fire: the plateau rule reads the "
                          f"periodic held-out evaluations and {why}; set run.eval_every=N (with data.heldout) or "
                          "drop the action")
+    if "staleness_pinned" in armed and not cfg.asynchronous.adaptive and not cfg.asynchronous.eta:
+        raise ValueError(f"monitor.actions.staleness_pinned={armed['staleness_pinned']} can never fire: the rule "
+                         f"watches staleness at the bound and async.eta={cfg.asynchronous.eta} "
+                         f"({'unbounded' if cfg.asynchronous.eta is None else 'synchronous'}) has none; drop the "
+                         "action or set async.eta >= 1")
     if "keep_rate" in armed and cfg.loss.name != "two_ratio" and cfg.proximal.method != "ewma":
         raise ValueError(f"monitor.actions.keep_rate={armed['keep_rate']} can never fire: the discrepancy keep-rate "
                          f"is measured by loss.name=two_ratio or proximal.method=ewma, and this run has "

@@ -161,7 +161,13 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
     ``train.log`` and recorded as ``events.jsonl`` ``warning`` events by the runtime)."""
     out = []
     default = DataConfig()
-    if cfg.data.heldout and cfg.data.train != default.train and cfg.data.heldout == default.heldout:
+    if cfg.data.heldout and cfg.data.heldout.strip() == cfg.data.train.strip():
+        out.append(
+            f"data.heldout={cfg.data.heldout} is the training set itself: the held-out accuracy before / after "
+            "measures problems the policy trains on, not generalisation; use another split (e.g. :heldout) or "
+            "data.heldout= (empty) to turn it off"
+        )
+    elif cfg.data.heldout and cfg.data.train != default.train and cfg.data.heldout == default.heldout:
         out.append(
             f"data.train={cfg.data.train} but data.heldout is still the default "
             f"{default.heldout}: the held-out accuracy before / after measures that set, not the "
@@ -192,10 +198,44 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
         if changed:
             out.append(f"env.{', env.'.join(changed)} set, but env.name=none (the single-turn workflow): they are "
                        "ignored (set env.name to guess, math_python or package.module:factory)")
+    out.extend(_ignored_settings(cfg))
     if cfg.rollout.temperature == 0 and cfg.rollout.group_size == 1:
         out.append(
             "rollout.temperature=0: the behaviour policy is greedy (deterministic), so training "
             "only re-weights the argmax response by its reward relative to the batch; nothing "
             "explores (temperature > 0 samples)"
         )
+    return out
+
+
+def _changed(section: object, keys: Sequence[str]) -> list[str]:
+    """The keys of ``section`` (a config section) among ``keys`` set away from their default."""
+    fresh = type(section)()
+    return [k for k in keys if getattr(section, k) != getattr(fresh, k)]
+
+
+def _ignored_settings(cfg: TrainConfig) -> list[str]:
+    """Settings that only take effect under another setting which is off (fresh-user finding:
+    e.g. ``lora.rank=32`` without ``lora.enabled`` was silently ignored)."""
+    out = []
+    rules = [
+        ("async", ["eta_max", "ratio_base", "ratio_min", "ratio_max", "ratio_step", "variance_threshold"],
+         not cfg.asynchronous.adaptive, "async.adaptive=false (the adaptive controller is off; async.eta is the bound)"),
+        ("lora", ["rank", "alpha", "dropout", "target_modules", "sync"], not cfg.lora.enabled,
+         "lora.enabled=false (every weight trains)"),
+        ("log", ["wandb_project", "wandb_run_name", "wandb_mode", "wandb_dir"], not cfg.log.wandb,
+         "log.wandb=false (nothing goes to Weights & Biases)"),
+        ("proximal", ["interpolation"], cfg.proximal.method != "interpolate",
+         f"proximal.method={cfg.proximal.method} (interpolation is proximal.method=interpolate's)"),
+        ("proximal", ["ewma_beta", "ewma_reset_keep_rate"], cfg.proximal.method not in ("ewma", "auto"),
+         f"proximal.method={cfg.proximal.method} (these are proximal.method=ewma's, or auto's when it picks ewma)"),
+        ("proximal", ["dedicated_threads"], cfg.proximal.method != "dedicated",
+         f"proximal.method={cfg.proximal.method} (dedicated_threads is proximal.method=dedicated's)"),
+        ("proximal", ["memory_budget_bytes"], cfg.proximal.method != "auto",
+         f"proximal.method={cfg.proximal.method} (the memory budget is proximal.method=auto's)"),
+    ]
+    for section, keys, off, why in rules:
+        changed = _changed(getattr(cfg, "asynchronous" if section == "async" else section), keys)
+        if off and changed:
+            out.append(f"{section}.{f', {section}.'.join(changed)} set, but {why}: ignored")
     return out
