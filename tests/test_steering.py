@@ -44,7 +44,7 @@ def test_monitor_actions_lower_eta_scale_lr_and_stop():
     assert log["lr"] == [0.5] and any(e[0] == "lr_scaled" for e in log["events"])
     s.after_step(4, {"train/skipped_nonfinite": 1.0}, [])
     s.after_step(5, {"train/skipped_nonfinite": 1.0}, [])
-    assert log["stop"] == 1
+    assert log["stop"] == 1 and s.stopped_by == "monitor rule nonfinite"
     alerts = [e for e in log["events"] if e[0] == "alert"]
     assert [a[1]["rule"] for a in alerts] == ["staleness_pinned", "reward_failures", "nonfinite"]
     assert all(a[1]["level"] == "action" for a in alerts) and len(log["say"]) >= 3
@@ -139,3 +139,30 @@ def test_adaptive_eta_in_a_run_and_across_a_resume(tmp_path):
         f.write(json.dumps({"event": "alert", "version": 2, "rule": "plateau", "level": "warning",
                             "action": "none", "message": "m"}) + "\n")
     assert plot_report(run).stat().st_size > 10_000
+
+
+def test_a_monitor_stop_ends_the_run_like_a_first_ctrl_c(tmp_path):
+    """Fresh-user finding: after a rule's stop action the run still evaluated and exported as a
+    finished run, summary.json said interrupted false and the console gave no resume hint. It now
+    ends as a first Ctrl-C does (checkpoint, no after-evaluation), with the reason recorded."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from conveyor.cli import app
+
+    run = tmp_path / "r"
+    r = CliRunner().invoke(app, [
+        "train", "model.name=tiny", "trainer.batch_size=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
+        "run.progress=false", "reward.workers=1", "rollout.tool=none", "data.heldout_limit=2",
+        "trainer.total_steps=4", "reward.fn=conveyor.rewards.faults:chaos_reward", "reward.timeout_s=1",
+        "monitor.actions.reward_failures=stop", f"run.dir={run}"])
+    assert r.exit_code == 3, r.output  # not 0 (it did not finish), not 130 (no SIGINT)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["stop_reason"] == "monitor rule reward_failures"
+    assert summary["steps"] < 4 and summary["heldout_after"] is None and not (run / "eval_after.json").exists()
+    assert (f"stopped early by monitor rule reward_failures's stop action; continue with: conveyor train --resume {run}"
+            in " ".join(r.output.split()))
+    assert any((run / "checkpoints").iterdir())  # it can be resumed
+    export = json.loads((run / "export" / "conveyor.json").read_text()) if (run / "export").exists() else None
+    assert export is None or export["interrupted"] is True

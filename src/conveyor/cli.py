@@ -376,8 +376,9 @@ def train_cmd(
         fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
         console.print(f"[bold]held-out pass@1 (greedy):[/] before {fmt(res.heldout_before)} -> after {fmt(res.heldout_after)}")
     if res.interrupted:
-        console.print(f"stopped early; continue with: conveyor train --resume {res.run_dir}")
-        sys.exit(130)
+        by = f" by {res.stop_reason}'s stop action" if (res.stop_reason or "").startswith("monitor rule") else ""
+        console.print(f"stopped early{by}; continue with: conveyor train --resume {res.run_dir}")
+        sys.exit(3 if by else 130)  # 130: the shell's code for SIGINT; a monitor stop is not one
 
 
 @app.command("datasets")

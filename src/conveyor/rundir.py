@@ -60,8 +60,10 @@ class TrainResult:
     Attributes:
         run_dir: The run directory. steps: policy version reached.
         heldout_before / heldout_after: greedy held-out pass@1 (None when not evaluated).
-        wall_seconds: Training-loop wall-clock (s). interrupted: stopped by Ctrl-C / SIGTERM.
+        wall_seconds: Training-loop wall-clock (s). interrupted: stopped early, by Ctrl-C /
+            SIGTERM or a monitor rule's ``stop`` action.
         trainer_busy / engine_busy: Busy fractions of the training-loop wall-clock.
+        stop_reason: ``"signal"``, ``"monitor rule R"``, or None (not stopped early).
     """
 
     run_dir: Path
@@ -72,6 +74,7 @@ class TrainResult:
     interrupted: bool
     trainer_busy: float
     engine_busy: float
+    stop_reason: str | None = None
 
 
 # keys a resumed run must keep (the checkpoint was made with them)

@@ -471,7 +471,7 @@ def _finish(cfg: TrainConfig, job: _Job, parts: RolloutSide, loop: LoopResult, l
     needs_proximal = trainer.objective.needs_proximal
     summary = {
         "run_dir": str(run_dir), "steps": trainer.version, "heldout_before": before, "heldout_after": after,
-        "wall_seconds": seg["wall_seconds"], "interrupted": loop.interrupted,
+        "wall_seconds": seg["wall_seconds"], "interrupted": loop.interrupted, "stop_reason": loop.stop_reason,
         "trainer_busy": seg["trainer_busy"], "engine_busy": seg["engine_busy"],
         "segments": seg["segments"], "controller": controller.counters(),
         # the bound in force at the end (the adaptive controller / monitor may have moved it) and the configured one
@@ -498,7 +498,7 @@ def _finish(cfg: TrainConfig, job: _Job, parts: RolloutSide, loop: LoopResult, l
         log.exception("report plot failed")
     logger.report(report, summary)  # log.wandb: the report image and the summary to W&B
     return TrainResult(run_dir, trainer.version, before, after, summary["wall_seconds"],
-                       loop.interrupted, summary["trainer_busy"], summary["engine_busy"])
+                       loop.interrupted, summary["trainer_busy"], summary["engine_busy"], loop.stop_reason)
 
 
 def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> TrainConfig:

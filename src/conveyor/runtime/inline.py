@@ -391,13 +391,16 @@ class LoopResult:
         wall_s: Seconds of the loop (this process segment).
         trainer_busy_s: Trainer-side busy seconds (warm-up, updates, publishes).
         engine_busy_s: Engine busy seconds over the same window (<= wall_s).
-        interrupted: A Ctrl-C / SIGTERM stopped it after a step.
+        interrupted: It stopped after a step before ``trainer.total_steps``: a Ctrl-C / SIGTERM
+            or a monitor rule's ``stop`` action (:attr:`stop_reason` says which).
         error: The exception that ended it (re-raised by the caller after the final checkpoint
             and the engine statistics are written), or None.
         mean_proximal_s / mean_train_step_s: Means over the recorded steps (s).
         engine_stats: The engine's counters at the end of the loop.
         eta: The staleness bound in force at the end (``async.eta``, or what the adaptive
             controller, a monitor action or a resumed checkpoint made of it; None: unbounded).
+        stop_reason: ``"signal"`` (Ctrl-C / SIGTERM), ``"monitor rule R"`` (rule R's ``stop``
+            action), or None (it ran to the end or failed).
     """
 
     wall_s: float
@@ -409,6 +412,7 @@ class LoopResult:
     mean_train_step_s: float = 0.0
     engine_stats: dict = field(default_factory=dict)
     eta: int | None = None
+    stop_reason: str | None = None
 
 
 def _health(controller):
@@ -557,7 +561,10 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
     finally:
         wall = clock.wall()
         eng_end = engine.stats()  # read with `wall`: busy seconds and wall-clock cover one window
-        interrupted = ctx.interrupts.requested
+        # a monitor rule's stop action sets the same event as a first Ctrl-C, and ends the same way
+        interrupted = ctx.interrupts.requested or stop.is_set()
+        stop_reason = ("signal" if ctx.interrupts.requested else steering.stopped_by or "stop requested") \
+            if interrupted else None
         controller.stop()
         publisher.stop()
         ctx.phase = "the final checkpoint"
@@ -569,4 +576,4 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
     engine_busy = min(wall, clock.engine_busy_since_start(eng_end))
     prox_s, train_s = recorder.mean_seconds()
     return LoopResult(wall, clock.trainer_busy, engine_busy, interrupted, error, prox_s, train_s, eng_end,
-                      eta=steering.eta)
+                      eta=steering.eta, stop_reason=stop_reason)

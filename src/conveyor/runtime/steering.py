@@ -53,6 +53,7 @@ class RunSteering:
         self.settings = dict(settings or {})
         self._set_eta, self._scale_lr, self._stop = set_eta, scale_lr, request_stop
         self._event, self._say, self.lr_scale = event, say, lr_scale
+        self.stopped_by: str | None = None  # "monitor rule R" once a rule's stop action fired
         if monitor is not None:
             monitor.set_eta(eta)
 
@@ -78,6 +79,7 @@ class RunSteering:
                 self._scale_lr(self.lr_scale)
                 self._event("lr_scaled", version=a.step, factor=self.lr_scale, rule=a.rule)
             elif a.action == "stop":
+                self.stopped_by = self.stopped_by or f"monitor rule {a.rule}"
                 self._stop()
 
     def after_step(self, step: int, metrics: dict, rewards: Sequence[float]) -> list[Alert]:
