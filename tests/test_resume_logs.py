@@ -237,6 +237,12 @@ def test_resume_of_a_finished_run_changes_nothing_and_heldout_settings_are_fixed
             load_run_config(run, ["trainer.total_steps=3", "run.eval_max_new_tokens=5"]),
             resume_dir=run,
         )
+    # fresh-user finding: env.name=guess failed validation first ("set rollout.tool=none", itself
+    # fixed on resume); the error now names the key that cannot change
+    from conveyor.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"env\.name cannot change on resume"):
+        load_run_config(run, ["env.name=guess"])
 
 
 def test_resume_to_train_longer_moves_the_old_eval_after_aside_and_refuses_fixed_changes(tmp_path):

@@ -129,6 +129,10 @@ def test_adaptive_eta_in_a_run_and_across_a_resume(tmp_path):
     assert st["eta"] == 1 and st["controller"] is None and st["settings"] == {"adaptive": False, "eta": 1}
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     reset, = [e for e in events if e["event"] == "steering_reset"]
+    # the resume event keeps what the versions before ran with (config.json now has the new values)
+    changed = [e for e in events if e["event"] == "resume"][-1]["changed"]
+    assert changed["async.adaptive"] == {"old": True, "new": False} and changed["async.eta"] == {"old": 0, "new": 1}
+    assert changed["trainer.total_steps"] == {"old": 3, "new": 4} and "model.name" not in changed
     assert reset["checkpoint_eta"] == 4 and reset["new_eta"] == 1 and "async.adaptive" in reset["changed"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["eta"] == 1

@@ -35,13 +35,15 @@ from conveyor.checkpoint import (
     latest_checkpoint,
     save_checkpoint,
 )
-from conveyor.config import TrainConfig, load_config
+from conveyor.config import ConfigError, TrainConfig, load_config
 from conveyor.data import load_dataset
 from conveyor.eval import unknown_note
 from conveyor.hardware import resolve_bf16
 from conveyor.models import load_model, load_model_config, load_tokenizer
 from conveyor.rewards import check_reward_signature, load_reward_fn
 from conveyor.rundir import (
+    FIXED_FOR_HELDOUT,
+    FIXED_ON_RESUME,
     RunContext,
     TrainResult,
     announce,
@@ -308,12 +310,35 @@ def _load_job(cfg: TrainConfig, start: _Start, console, ctx: RunContext) -> _Job
     return job
 
 
+def config_changes(saved: Path, new: dict) -> dict[str, dict]:
+    """The settings a resume changes: dotted key -> ``{"old": ..., "new": ...}`` between the run's
+    saved ``config.json`` (the versions trained so far) and ``new`` (a config's ``to_dict()``);
+    recorded in the ``resume`` event, as config.json is rewritten with the new values (fresh-user
+    finding: nothing kept what the first versions ran with). {} when ``saved`` is missing."""
+    if not saved.is_file():
+        return {}
+    old = json.loads(saved.read_text())
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict) and v and k != "options":  # env.options / monitor.actions stay whole
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    a, b = flat(old), flat(new)
+    return {k: {"old": a.get(k), "new": b.get(k)} for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
 def _open_logs(cfg: TrainConfig, run_dir: Path, start: _Start, job: _Job, console, ctx: RunContext) -> MetricsLogger:
     """config.json, the metrics logger, train.log, and the run's opening events (proximal
     method, precision, critic, resume) and warnings."""
     trainer = job.trainer
-    atomic_write_json(run_dir / "config.json", cfg.to_dict())
     resuming = start.ckpt is not None or start.restart_in_place
+    changed = config_changes(run_dir / "config.json", cfg.to_dict()) if resuming else {}
+    atomic_write_json(run_dir / "config.json", cfg.to_dict())
     logger = MetricsLogger(run_dir, version=trainer.log_step, segment=next_segment(run_dir),
                            purge_step=trainer.log_step + 1 if resuming else None,
                            log_cfg=cfg.log, run_config=cfg.to_dict())  # log.wandb: W&B too
@@ -348,8 +373,14 @@ def _open_logs(cfg: TrainConfig, run_dir: Path, start: _Start, job: _Job, consol
     if start.restart_in_place:
         logger.event("restart", version=0, **job.resumed)
     if start.ckpt is not None:
-        logger.event("resume", checkpoint=str(start.ckpt), version=trainer.version, **job.resumed)
+        logger.event("resume", checkpoint=str(start.ckpt), version=trainer.version, **job.resumed, changed=changed)
         console.print(f"[bold]resumed[/] {run_dir} at version {trainer.version} from {start.ckpt.name}")
+        if changed:  # config.json now holds the new values: the event keeps what the versions before ran with
+            console.print("  changed on resume: " + ", ".join(f"{k} {v['old']!r} -> {v['new']!r}"
+                                                              for k, v in changed.items()), soft_wrap=True)
+        if any(k == "reward.fn" or k.startswith("reward.") for k in changed):
+            console.print("  [yellow]note:[/] the trajectories buffered in the checkpoint were scored with the "
+                          "reward settings before; they are trained as they were scored", soft_wrap=True)
         for line in job.resumed["cleaned"]:
             console.print(f"  removed {line}")
         for line in job.resumed.get("superseded_files", []):
@@ -507,4 +538,18 @@ def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> 
     p = Path(run_dir) / "config.json"
     if not p.is_file():
         raise FileNotFoundError(f"{run_dir} is not a conveyor run directory (no config.json)")
-    return load_config(p, overrides)
+    try:
+        return load_config(p, overrides)
+    except ConfigError as e:
+        # an override of a key the resume cannot change may fail validation against the saved
+        # settings first (env.name=guess: "set rollout.tool=none", which is fixed too): say the cause
+        fixed = {f"{a}.{b}" for a, b in FIXED_ON_RESUME}
+        if (Path(run_dir) / "eval_before.json").is_file():
+            fixed |= {f"{a}.{b}" for a, b in FIXED_FOR_HELDOUT}
+        keys = [o.partition("=")[0].strip() for o in overrides or []]
+        hit = [k for k in keys if k in fixed or any(k.startswith(f + ".") for f in fixed)]
+        if hit:
+            raise ConfigError(f"{e}\n(--resume {run_dir}: {', '.join(hit)} cannot change on resume: the checkpoint "
+                              "and the held-out evaluation before training were made with the saved value; start a "
+                              "new run to change it)") from e
+        raise
