@@ -181,6 +181,32 @@ def test_calibrate_recovers_the_trace(tmp_path):
     assert simulate(c).wall_seconds > 0
 
 
+def test_calibrate_takes_the_bound_the_run_trained_under(tmp_path):
+    """Fresh-user finding: an adaptive run that trained at eta 4 (config.json's async.eta 2) was
+    simulated at eta 2. The rows' staleness/eta (the bound in force) decide: the value in force for
+    the most updates (ties: the later), NaN = unbounded; the CLI says when it differs."""
+    from typer.testing import CliRunner
+
+    from conveyor.cli import app
+    from conveyor.simulate import trace_eta
+
+    assert trace_eta([{"staleness/eta": 2.0}] * 3, 2) == (2, None)
+    assert trace_eta([{}], 3) == (3, None)  # a run from before the metric
+    eta, note = trace_eta([{"staleness/eta": v} for v in (2.0, 3.0, 4.0, 4.0, 4.0)], 2)
+    assert eta == 4 and note == ("the run trained at eta 2 for 1, 3 for 1, 4 for 3 of its 5 updates (config.json's "
+                                 "async.eta: 2); simulating eta 4, the bound in force longest")
+    assert trace_eta([{"staleness/eta": v} for v in (2.0, 2.0, 1.0, 1.0)], 2)[0] == 1  # a tie: the later
+    assert trace_eta([{"staleness/eta": float("nan")}], None) == (None, None)
+    _fake_run(tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for r, eta in zip(rows, (2, 3, 4, 4, 4), strict=True):
+        r["staleness/eta"] = float(eta)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert calibrate(tmp_path).eta == 4
+    r = CliRunner().invoke(app, ["simulate", str(tmp_path), "--modes", "async"])
+    assert r.exit_code == 0 and "simulating eta 4, the bound in force longest" in " ".join(r.output.split()), r.output
+
+
 def test_calibrate_names_the_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         calibrate(tmp_path)

@@ -591,10 +591,38 @@ def _fit_line(xs: list[float], ys: list[float], ws: list[float] | None = None) -
     return a, max(0.0, b)
 
 
+def trace_eta(steps: list[dict], configured: int | None) -> tuple[int | None, str | None]:
+    """The staleness bound a run trained under, from its metrics rows' ``staleness/eta`` (the
+    bound in force at each update: the adaptive controller, a monitor action or a resume with
+    another ``async.eta`` may move it away from ``config.json``'s ``async.eta``; fresh-user
+    finding): the value in force for the most updates (ties: the later one), NaN meaning
+    unbounded (None). Rows without the metric (runs from before it was logged) give
+    ``configured``.
+
+    Returns:
+        ``(eta, note)``: ``note`` says how the trace's bound differs from ``configured`` (None
+        when it does not).
+    """
+    seen = [m["staleness/eta"] for m in steps if isinstance(m.get("staleness/eta"), int | float)]
+    if not seen:
+        return configured, None
+    values = [None if math.isnan(v) else int(v) for v in seen]
+    counts: dict[int | None, int] = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    best = max(counts.values())
+    eta = [v for v in values if counts[v] == best][-1]
+    if len(counts) == 1 and eta == configured:
+        return eta, None
+    spread = ", ".join(f"{'unbounded' if v is None else v} for {n}" for v, n in counts.items())
+    return eta, (f"the run trained at eta {spread} of its {len(values)} updates (config.json's async.eta: "
+                 f"{configured}); simulating eta {eta}, the bound in force longest")
+
+
 def calibrate(run_dir: str | Path) -> SimConfig:
     """A :class:`SimConfig` reproducing a real run, from the trace its run directory holds.
 
-    Reads ``config.json`` (eta, batch, group, concurrency, steps, ``rollout.num_engines`` as the
+    Reads ``config.json`` (batch, group, concurrency, steps, ``rollout.num_engines`` as the
     number of engine workers), ``engine_stats.json`` (decode
     forward seconds per batch size, fitted to ``base + per_seq * b``, plus the sampling seconds
     per generated token added to ``per_seq``; prefill seconds per token the model ran, after
@@ -604,7 +632,8 @@ def calibrate(run_dir: str | Path) -> SimConfig:
     environment wait plus reward-scoring latency as ``env_latency_s``: empirical distributions)
     and ``metrics.jsonl`` (trainer seconds vs tokens per update, fitted to ``base + s_per_token *
     tokens``, the first update excluded as warm-up when there are more than two, plus the median
-    bookkeeping seconds between updates; weight-sync seconds, median).
+    bookkeeping seconds between updates; weight-sync seconds, median; the staleness bound in
+    force, :func:`trace_eta`, else ``config.json``'s ``async.eta``).
 
     Raises:
         FileNotFoundError: a required file is missing (the message names it).
@@ -665,9 +694,10 @@ def calibrate(run_dir: str | Path) -> SimConfig:
         env = Dist(kind="empirical", values=env_waits)
     else:
         env = Dist(kind="constant", value=0.0)
+    eta, _ = trace_eta(steps, conf["async"]["eta"])
     return SimConfig(
         mode="async",
-        eta=conf["async"]["eta"],
+        eta=eta,
         steps=len(steps),
         batch_size=conf["trainer"]["batch_size"],
         group_size=conf["rollout"]["group_size"],
