@@ -486,6 +486,11 @@ def test_console_gets_one_line_per_warning_and_counts_reward_failures():
     assert c.update({"reward failures": 9}) is None  # too soon
     now[0] = 11.0
     assert c.update({"reward failures": 9}).startswith("+6 reward failures (9 ")
+    # a resumed process starts from the counts its checkpoint restored: only growth is new
+    # (fresh-user finding: it printed the process before's 12 failures as "+12")
+    c = FailureCounter(interval_s=10, clock=lambda: now[0], baseline={"reward failures": 12})
+    assert c.update({"reward failures": 12}) is None
+    assert c.update({"reward failures": 15}) == "+3 reward failures (15 reward failures in total; details in train.log)"
 
 
 def test_cli_report_and_datasets():

@@ -219,7 +219,9 @@ def test_step_recorder_logs_row_batch_and_named_events():
             printed.append(s)
 
     lg = Logger()
+    Controller.stats.reward_failures = 12  # restored from a checkpoint: not this process's news
     r = StepRecorder(lg, Controller(), Console(), Bar(), 0, total=10, progress=False)
+    assert r.failures.update({"reward failures": 12, "failed episodes": 0}) is None
     m = {"train/skipped_nonfinite": 1.0, "reward/mean": 0.5, "rollout/accuracy": 0.25, "staleness/mean": 1.0,
          "staleness/max": 2.0, "throughput/generated_tokens_per_s": 40.0, "busy/trainer": 0.5, "busy/engine": 0.9,
          "time/elapsed_s": 12.0, "time/proximal_s": 0.2, "time/train_step_s": 3.0}

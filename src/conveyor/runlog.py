@@ -610,12 +610,15 @@ class FailureCounter:
     Args:
         interval_s: Seconds between two lines at least (s).
         clock: Time source (s), for tests.
+        baseline: Counts already reported (a resumed run's, restored from its checkpoint: the
+            new process reports only what grows from there; fresh-user finding: it printed the
+            process before's failures as new).
     """
 
-    def __init__(self, interval_s: float = 10.0, clock=time.monotonic):
+    def __init__(self, interval_s: float = 10.0, clock=time.monotonic, baseline: dict[str, int] | None = None):
         self.interval_s = interval_s
         self._clock = clock
-        self._reported: dict[str, int] = {}
+        self._reported: dict[str, int] = dict(baseline or {})
         self._last = -math.inf
 
     def update(self, counts: dict[str, int]) -> str | None:

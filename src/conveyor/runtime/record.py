@@ -168,7 +168,9 @@ class StepRecorder:
     def __init__(self, logger: MetricsLogger, controller, console, bar, task, total: int, progress: bool):
         self.logger, self.controller, self.console = logger, controller, console
         self.bar, self.task, self.total, self.progress = bar, task, total, progress
-        self.failures = FailureCounter()
+        st = controller.stats  # a resumed run's counts, restored with its checkpoint: not new
+        self.failures = FailureCounter(baseline={"reward failures": st.reward_failures,
+                                                 "failed episodes": st.episodes_failed})
         self.proximal_seconds: list[float] = []
         self.train_seconds: list[float] = []
 
