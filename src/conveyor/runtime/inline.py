@@ -562,7 +562,8 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
         wall = clock.wall()
         eng_end = engine.stats()  # read with `wall`: busy seconds and wall-clock cover one window
         # a monitor rule's stop action sets the same event as a first Ctrl-C, and ends the same way
-        interrupted = ctx.interrupts.requested or stop.is_set()
+        # (a stop after the last update stops nothing: the run finished)
+        interrupted = ctx.interrupts.requested or (stop.is_set() and trainer.version < total)
         stop_reason = ("signal" if ctx.interrupts.requested else steering.stopped_by or "stop requested") \
             if interrupted else None
         controller.stop()
