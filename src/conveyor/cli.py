@@ -522,19 +522,15 @@ def simulate_cmd(
         calibrate,
         load_sim_config,
         simulate,
-        trace_eta,
         validate_sim_config,
     )
 
     try:
         if config.is_dir():
-            base = calibrate(config)
-            from conveyor.runlog import read_jsonl
-
-            rows = [m for m in read_jsonl(config / "metrics.jsonl", by_step=True) if "time/train_step_s" in m]
-            _, eta_note = trace_eta(rows, json.loads((config / "config.json").read_text())["async"]["eta"])
-            if eta_note is not None:
-                console.print(f"[bold yellow]note:[/] {eta_note}", soft_wrap=True)
+            notes: list[str] = []
+            base = calibrate(config, notes)
+            for note in notes:
+                console.print(f"[bold yellow]note:[/] {note}", soft_wrap=True)
             if overrides:
                 base = validate_sim_config(apply_overrides(base.model_dump(), overrides),
                                            " + ".join([f"calibrated from {config}", *overrides]))

@@ -185,16 +185,12 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
                 "data.heldout, or data.heldout= (empty) to turn it off"
             )
     if cfg.loss.advantage != "gae":
-        from conveyor.config import CriticConfig
-
-        changed = sorted(k for k, v in cfg.critic.model_dump().items() if v != getattr(CriticConfig(), k))
+        changed = sorted(_changed(cfg.critic, list(type(cfg.critic).model_fields)))
         if changed:
             out.append(f"critic.{', critic.'.join(changed)} set, but loss.advantage={cfg.loss.advantage} trains no "
                        "critic: they are ignored (loss.advantage=gae uses them)")
     if cfg.env.name == "none":
-        from conveyor.config import EnvConfig
-
-        changed = sorted(k for k, v in cfg.env.model_dump().items() if v != EnvConfig().model_dump()[k])
+        changed = sorted(_changed(cfg.env, list(type(cfg.env).model_fields)))
         if changed:
             out.append(f"env.{', env.'.join(changed)} set, but env.name=none (the single-turn workflow): they are "
                        "ignored (set env.name to guess, math_python or package.module:factory)")

@@ -619,7 +619,7 @@ def trace_eta(steps: list[dict], configured: int | None) -> tuple[int | None, st
                  f"{configured}); simulating eta {eta}, the bound in force longest")
 
 
-def calibrate(run_dir: str | Path) -> SimConfig:
+def calibrate(run_dir: str | Path, notes: list[str] | None = None) -> SimConfig:
     """A :class:`SimConfig` reproducing a real run, from the trace its run directory holds.
 
     Reads ``config.json`` (batch, group, concurrency, steps, ``rollout.num_engines`` as the
@@ -634,6 +634,11 @@ def calibrate(run_dir: str | Path) -> SimConfig:
     tokens``, the first update excluded as warm-up when there are more than two, plus the median
     bookkeeping seconds between updates; weight-sync seconds, median; the staleness bound in
     force, :func:`trace_eta`, else ``config.json``'s ``async.eta``).
+
+    Args:
+        run_dir: The run directory.
+        notes: When given, what the calibration should tell the user is appended to it (e.g.
+            :func:`trace_eta`'s note on a bound that moved during the run).
 
     Raises:
         FileNotFoundError: a required file is missing (the message names it).
@@ -694,7 +699,9 @@ def calibrate(run_dir: str | Path) -> SimConfig:
         env = Dist(kind="empirical", values=env_waits)
     else:
         env = Dist(kind="constant", value=0.0)
-    eta, _ = trace_eta(steps, conf["async"]["eta"])
+    eta, eta_note = trace_eta(steps, conf["async"]["eta"])
+    if notes is not None and eta_note is not None:
+        notes.append(eta_note)
     return SimConfig(
         mode="async",
         eta=eta,
