@@ -247,3 +247,38 @@ def test_retokenising_a_real_episode_changes_tokens_but_conveyors_do_not(smollm)
         if changed:
             break
     assert changed >= 1
+
+
+class FailsOnce:
+    """The first environment made raises at its first step; the others play NeverDone."""
+
+    made = 0
+
+    def __init__(self):
+        type(self).made += 1
+        self.broken = type(self).made == 1
+        self.steps = 0
+
+    async def reset(self, sample):
+        return "Keep going."
+
+    async def step(self, action):
+        self.steps += 1
+        if self.broken:
+            raise RuntimeError("the environment is broken")
+        return StepResult("Again.", 0.0, False, {})
+
+
+def test_a_raising_episode_fails_its_group_after_the_others_ended(tiny):
+    """Fresh-user trial 3, finding 2: one raising episode of a group raised at once while its
+    siblings kept generating unobserved; now the group's error comes once every episode ended."""
+    envs = []
+
+    def make():
+        envs.append(FailsOnce())
+        return envs[-1]
+
+    FailsOnce.made = 0
+    with pytest.raises(RuntimeError, match="the environment is broken"):
+        run_agent(tiny, make, group=3, max_turns=4, total=200, max_new=4)
+    assert [e.steps for e in envs] == [1, 4, 4]  # the others played to their turn limit

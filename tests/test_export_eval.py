@@ -285,3 +285,34 @@ def test_heldout_eval_writes_the_version_it_was_given(tmp_path):
     # a file written before the field existed still loads into an EvalResult (the field is None)
     old = {k: v for k, v in written.items() if k != "policy_version"}
     assert EvalResult(**old).policy_version is None
+
+
+def test_heldout_eval_with_failed_episodes_records_a_warning_event(tmp_path):
+    """Fresh-user trial 3, finding 1: a held-out evaluation whose agent raised on some problems
+    logs its eval event (with episodes_failed) and a warning event naming the first error; the
+    console note says how many failed."""
+    from conveyor.eval import EvalResult, unknown_note
+    from conveyor.runlog import MetricsLogger
+    from conveyor.runtime.inline import heldout_eval
+    from conveyor.types import Sample
+
+    def fake_evaluate(engine, tokenizer, samples, **kw):
+        return EvalResult(dataset="d", model="tiny", num_problems=2, samples_per_problem=1, pass_at_1=0.5,
+                          pass_at_k={"1": 0.5}, avg_at_k=0.5, format_rate=0.5, mean_response_tokens=2.0,
+                          tokens_per_second=1.0, wall_seconds=1.0, temperature=0.0, max_new_tokens=4,
+                          env="guess", episodes_failed=1,
+                          records=[{"id": "a", "correct": [True]},
+                                   {"id": "b", "correct": [False], "error": "RuntimeError: boom"}])
+
+    cfg = load_config(None, ["model.name=tiny"])
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    try:
+        res = heldout_eval(None, None, cfg, [Sample(id="a", question="q", answer="2", dataset="d")], "after", logger,
+                           tmp_path, False, None, evaluate_fn=fake_evaluate, version=3)
+    finally:
+        logger.close()
+    ev, warn = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert ev["event"] == "eval" and ev["episodes_failed"] == 1
+    assert warn["event"] == "warning" and warn["message"] == (
+        "held-out evaluation after: 1 of 2 episodes failed (counted as wrong); the first: RuntimeError: boom")
+    assert "1 of 2 episodes failed" in unknown_note(res)

@@ -588,6 +588,46 @@ def test_an_agent_whose_every_episode_fails_stops_with_a_clear_message(tmp_path,
     r = CliRunner().invoke(app, ["train", *AGENT_FAST, "env.name=openai:broken_agent:solve",
                                  f"run.dir={tmp_path / 'r'}"])
     assert r.exit_code == 1, r.output
-    assert "episodes in a row failed; the last: RuntimeError: the agent is broken" in r.output
+    out = " ".join(r.output.split())  # rich wraps the console line
+    assert ("episodes in a row failed (groups of rollout.group_size=2 episodes: one raising episode fails its "
+            "group, as the group's advantages need every member); the last: RuntimeError: the agent is broken") in out
     assert "train.log" in r.output and "Traceback" not in r.output
     assert "the agent is broken" in (tmp_path / "r" / "train.log").read_text()
+
+
+def test_a_failing_episode_in_an_evaluation_is_counted_not_fatal(tmp_path, monkeypatch):
+    """Fresh-user trial 3, finding 1: an agent that raises on one held-out problem counted that
+    problem's episodes as failed (wrong, the record names the error) and the evaluation still
+    reported its figure; `conveyor eval` wrote its file. Every problem failing is an error."""
+    import json as _json
+
+    from typer.testing import CliRunner
+
+    from conveyor.cli import app
+
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    (tmp_path / "flaky_agent.py").write_text(
+        "import mawps_agent\n"
+        "FAILED = set()\n"
+        "async def solve(run, **kw):\n"
+        "    if not FAILED or run.sample.id in FAILED:\n"
+        "        FAILED.add(run.sample.id)\n"
+        "        raise RuntimeError('flaky agent on ' + run.sample.id)\n"
+        "    return await mawps_agent.solve(run, **kw)\n"
+        "def broken(run):\n"
+        "    raise RuntimeError('always broken')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "eval.json"
+    args = ["eval", "--model", "tiny", "--n", "3", "--samples", "2", "--temperature", "1", "--max-new-tokens", "8",
+            "--max-turns", "2", "--no-progress"]
+    r = CliRunner().invoke(app, [*args, "--env", "openai:flaky_agent:solve", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    got = _json.loads(out.read_text())
+    assert got["num_problems"] == 3 and got["episodes_failed"] == 2
+    failed = [rec for rec in got["records"] if "error" in rec]
+    assert len(failed) == 1 and failed[0]["correct"] == [False, False]
+    assert failed[0]["error"] == f"RuntimeError: flaky agent on {failed[0]['id']}"
+    assert 1 <= got["turns_mean"] <= 2  # over the 4 episodes that ran
+    r = CliRunner().invoke(app, [*args, "--env", "openai:flaky_agent:broken", "-o", str(tmp_path / "e2.json")])
+    assert r.exit_code == 1 and not (tmp_path / "e2.json").exists()
+    assert "the episodes of every problem failed (3 of 3" in r.output and "always broken" in r.output

@@ -312,7 +312,7 @@ def test_a_crash_inside_the_actor_stops_the_run_with_its_message_and_a_final_che
     monkeypatch.setenv("CONVEYOR_ACTOR_FAULTS", "enospc@generate#40")
     run = tmp_path / "r"
     cfg = load_config(None, BASE + RAY + NO_EVAL + ["trainer.total_steps=50", "async.eta=1", f"run.dir={run}"])
-    with pytest.raises(RuntimeError, match="episodes in a row failed; the last: "):  # EpisodesFailedError
+    with pytest.raises(RuntimeError, match=r"episodes in a row failed \(groups of rollout.group_size=2 .*\); the last: "):
         run_training(cfg)
     ckpt = _latest_checkpoint(run)  # the final checkpoint: the actor is alive, its snapshot taken
     assert ckpt is not None and int(ckpt.name.split("_")[1]) >= 1

@@ -193,6 +193,7 @@ def eval_cmd(
     from conveyor.data import DatasetError, load_dataset
     from conveyor.eval import EXPORT_SETTINGS_FILE, evaluate, load_export_settings, resolve_eval_model
     from conveyor.models import ModelLoadError, load_model
+    from conveyor.rollout.controller import EpisodesFailedError
     from conveyor.rollout.engine import InferenceEngine, SamplingParams
 
     if k < 1:
@@ -290,6 +291,8 @@ def eval_cmd(
         )
     except ValueError as e:
         _fail(str(e))
+    except EpisodesFailedError as e:  # a broken agent / environment: no figure (the first traceback above)
+        _fail(str(e), code=1)
     finally:
         engine.stop()
     res.settings_from, res.split_seed, res.init = settings_from, split_seed, init

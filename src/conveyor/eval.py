@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -35,6 +36,8 @@ from conveyor.types import Sample
 
 if TYPE_CHECKING:
     from conveyor.config import TrainConfig
+
+log = logging.getLogger(__name__)
 
 EXPORT_SETTINGS_FILE = "conveyor.json"
 """Name of the settings file next to an export's Hugging Face files."""
@@ -111,7 +114,8 @@ class EvalResult:
         max_turns, max_episode_tokens: The episode limits.
         tool_format: The tool-call format the episodes used (``env.tool_format``).
         env_options: The environment's keyword options (``env.options``, ``--env-option``).
-        turns_mean: Model turns per episode, mean.
+        turns_mean: Model turns per episode, mean (this, ``tool_calls_mean``, ``reward_mean``
+            and ``mean_response_tokens`` over the episodes that did not fail).
         tool_calls_mean: Turns that called a tool, per episode, mean.
         tool_call_rate: Share of model turns that called a tool.
         tool_call_success_rate: Share of tool calls that ran and succeeded (None without calls).
@@ -121,6 +125,11 @@ class EvalResult:
         reward_mean: The episodes' summed rewards, mean.
         episodes_cut: Episodes ended by a limit (turns, tokens) rather than by the environment;
             wrong unless the environment had already reported ``correct``.
+        episodes_failed: Episodes whose agent or environment raised (all ``n`` of a problem's
+            episodes, as they run as one group), counted as wrong in every figure (their record
+            has ``error``; the first traceback is in the log). Every problem failing raises
+            :class:`~conveyor.rollout.controller.EpisodesFailedError` instead: there is no
+            figure to report.
         metrics_mean: The reward service's further metrics (beyond ``correct`` / ``format_ok``),
             each a mean over the responses where it was computed, e.g. the preference-shift
             task's ``style_<name>`` (share judged in each style: :data:`conveyor.rewards.styles.
@@ -166,6 +175,7 @@ class EvalResult:
     sandbox_incidents: dict[str, int] | None = None
     reward_mean: float | None = None
     episodes_cut: int | None = None
+    episodes_failed: int | None = None
     metrics_mean: dict[str, float] = field(default_factory=dict)
     records: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
@@ -188,7 +198,7 @@ class EvalResult:
 
 
 _AGENT_FIELDS = ("env", "max_turns", "max_episode_tokens", "tool_format", "env_options", "turns_mean", "tool_calls_mean", "tool_call_rate",
-                 "tool_call_success_rate", "sandbox_incidents", "reward_mean", "episodes_cut")
+                 "tool_call_success_rate", "sandbox_incidents", "reward_mean", "episodes_cut", "episodes_failed")
 
 
 def write_export_settings(export_dir: str | Path, cfg: TrainConfig, *, policy_version: int,
@@ -258,13 +268,19 @@ def write_export_settings(export_dir: str | Path, cfg: TrainConfig, *, policy_ve
 
 def unknown_note(res: EvalResult) -> str:
     """A console note on ``res``'s answers whose check failed (``correct_unknown``: timed out or
-    crashed in the reward service, counted as wrong), or ``""`` when there are none (fresh-user
-    finding: a held-out figure of 0.000 hid that every check had timed out)."""
-    if not res.correct_unknown:
-        return ""
+    crashed in the reward service, counted as wrong) and episodes that failed
+    (``episodes_failed``: the agent or environment raised, counted as wrong), or ``""`` when
+    there are none (fresh-user findings: a held-out figure of 0.000 hid that every check had
+    timed out; one raising agent episode aborted the whole evaluation)."""
     total = res.num_problems * res.samples_per_problem
-    return (f"  [yellow]{res.correct_unknown} of {total} answers unknown[/] (their checks failed, see "
-            "train.log; counted as wrong)")
+    note = ""
+    if res.correct_unknown:
+        note += (f"  [yellow]{res.correct_unknown} of {total} answers unknown[/] (their checks failed, see "
+                 "train.log; counted as wrong)")
+    if res.episodes_failed:
+        note += (f"  [yellow]{res.episodes_failed} of {total} episodes failed[/] (the agent or environment "
+                 "raised, see train.log; counted as wrong)")
+    return note
 
 
 def load_export_settings(model: str | Path) -> dict[str, Any] | None:
@@ -615,12 +631,24 @@ def _episode_figures(workflow, engine, samples, params, env, *, n, k, dataset, m
     """The episodes of :func:`_run_episodes` and their figures."""
     from conveyor.envs.sandbox import INCIDENT_KINDS
 
+    failures: list[tuple[str, BaseException]] = []
+
     async def run_all(bar=None, task=None):
         async def one(s):
-            trajs = await workflow.run_episode(engine, s)
-            if trajs is None:
-                raise RuntimeError(f"evaluate: an episode of {s.id} was aborted (the engine stopped)")
-            fault_point("eval")
+            try:
+                trajs = await workflow.run_episode(engine, s)
+            except Exception as e:  # noqa: BLE001 - the agent's or environment's own error: counted, not fatal
+                failures.append((s.id, e))
+                if len(failures) == 1:
+                    log.warning("evaluate: the episodes of %s failed (counted as wrong; further failures "
+                                "in one line each)", s.id, exc_info=e)
+                else:
+                    log.warning("evaluate: the episodes of %s failed: %s: %s", s.id, type(e).__name__, e)
+                trajs = e
+            else:
+                if trajs is None:
+                    raise RuntimeError(f"evaluate: an episode of {s.id} was aborted (the engine stopped)")
+                fault_point("eval")
             if bar is not None:
                 bar.advance(task, n)
             return trajs
@@ -635,6 +663,12 @@ def _episode_figures(workflow, engine, samples, params, env, *, n, k, dataset, m
     else:
         groups = asyncio.run(run_all())
     wall = time.perf_counter() - t0
+    if failures and len(failures) == len(samples):
+        sid, first = failures[0]
+        from conveyor.rollout.controller import EpisodesFailedError
+
+        raise EpisodesFailedError(f"evaluate: the episodes of every problem failed ({len(samples)} of {len(samples)}; "
+                           f"the first, {sid}: {type(first).__name__}: {first}); no figure to report") from first
 
     records = []
     p1, pk = [], {str(kk): [] for kk in _ks(n, k)}
@@ -643,6 +677,13 @@ def _episode_figures(workflow, engine, samples, params, env, *, n, k, dataset, m
     rewards: list[float] = []
     incidents: dict[str, int] = {}  # every kind once an episode reports sandbox incidents
     for s, trajs in zip(samples, groups, strict=True):
+        if isinstance(trajs, BaseException):  # the group raised: n failed episodes, each wrong
+            p1.append(0.0)
+            for kk in pk:
+                pk[kk].append(0.0)
+            records.append({"id": s.id, "answer": s.answer, "correct": [False] * n,
+                            "error": f"{type(trajs).__name__}: {trajs}"[:500]})
+            continue
         verdicts = [t.correct for t in trajs]
         c = sum(v is True for v in verdicts)
         n_correct += c
@@ -677,16 +718,18 @@ def _episode_figures(workflow, engine, samples, params, env, *, n, k, dataset, m
                                             [int(m) for m in trajs[0].action_mask])},
         })
     total = len(samples) * n
+    done = total - len(failures) * n  # episodes that ran to an end: the means of what episodes did
     return EvalResult(
         dataset=dataset, model=model_name, num_problems=len(samples), samples_per_problem=n,
         pass_at_1=sum(p1) / len(p1), pass_at_k={kk: sum(v) / len(v) for kk, v in pk.items()},
-        avg_at_k=n_correct / total, format_rate=n_fmt / total, mean_response_tokens=n_tok / total,
+        avg_at_k=n_correct / total, format_rate=n_fmt / total, mean_response_tokens=n_tok / done,
         tokens_per_second=n_action_tok / wall if wall > 0 else math.nan, wall_seconds=wall,
         temperature=params.temperature, max_new_tokens=params.max_new_tokens, top_p=params.top_p,
         tool="none", instruction=instruction, correct_unknown=n_unknown, records=records,
         env=env.name, max_turns=env.max_turns, max_episode_tokens=env.max_episode_tokens,
         tool_format=env.tool_format, env_options=dict(env.options),
-        turns_mean=turns / total, tool_calls_mean=calls / total, tool_call_rate=calls / turns if turns else 0.0,
+        turns_mean=turns / done, tool_calls_mean=calls / done, tool_call_rate=calls / turns if turns else 0.0,
         tool_call_success_rate=calls_ok / calls if calls else None, sandbox_incidents=incidents,
-        reward_mean=sum(rewards) / total, episodes_cut=n_cut,
+        reward_mean=sum(rewards) / done, episodes_cut=n_cut,
+        episodes_failed=len(failures) * n,
     )

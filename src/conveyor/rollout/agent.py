@@ -46,6 +46,7 @@ from dataclasses import replace
 
 from conveyor.envs.base import Environment, first_prompt_ids, turn_ids
 from conveyor.rollout.engine import GenerationOutput, SamplingParams
+from conveyor.rollout.engine.types import PromptTooLongError
 from conveyor.types import Sample, Trajectory
 
 __all__ = ["AgentWorkflow"]
@@ -86,9 +87,19 @@ class AgentWorkflow:
         (a turn aborted) in any of them.
 
         Raises:
-            Whatever the environment raises (the controller counts a failed episode).
+            Whatever the environment raises (the controller counts a failed episode; with
+            ``group_size > 1`` the whole group fails, as its advantages need every member): a
+            ``PromptTooLongError`` first, else the first episode's error, once every episode of
+            the group has ended (none keeps generating unobserved).
         """
-        results = await asyncio.gather(*[self._one(engine, sample) for _ in range(self.group_size)])
+        results = await asyncio.gather(*[self._one(engine, sample) for _ in range(self.group_size)],
+                                       return_exceptions=True)
+        for r in results:  # a skipped prompt first, then the first failure
+            if isinstance(r, PromptTooLongError):
+                raise r
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
         if any(r is None for r in results):
             return None
         group_id = f"{sample.id}#{uuid.uuid4().hex[:12]}"

@@ -516,7 +516,9 @@ class RolloutController:
                                      "error": self.stats.last_error[:200]})
             self.staleness.on_reject(G)
             if self._failed_in_a_row >= self.max_failed_in_a_row and self.error is None:
-                self.error = EpisodesFailedError(f"{self._failed_in_a_row} episodes in a row failed; the "
+                groups = (f" (groups of rollout.group_size={G} episodes: one raising episode fails its group, as "
+                          "the group's advantages need every member)" if G > 1 else "")
+                self.error = EpisodesFailedError(f"{self._failed_in_a_row} episodes in a row failed{groups}; the "
                                           f"last: {self.stats.last_error} (tracebacks in train.log)")
                 self._stop.set()
             self._poke()

@@ -129,6 +129,11 @@ def heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logge
     # version: the latest log step (the policy version; k - W during a critic warm-up of W steps)
     logger.event("eval", label=label, **{k: v for k, v in res.summary().items() if not isinstance(v, dict)},
                  **{f"metric_{k}": v for k, v in res.metrics_mean.items()})  # e.g. metric_style_cute
+    if res.episodes_failed:  # the agent / environment raised: counted as wrong, the first error recorded
+        first = next((r["error"] for r in res.records if "error" in r), "")
+        logger.event("warning", message=f"held-out evaluation {label}: {res.episodes_failed} of "
+                     f"{res.num_problems * res.samples_per_problem} episodes failed (counted as wrong); "
+                     f"the first: {first}")
     styles = {f"heldout/{k}_rate": v for k, v in res.metrics_mean.items() if k.startswith("style_")}
     if styles:  # TensorBoard / W&B curves
         logger.scalars(max(0, version), styles)
