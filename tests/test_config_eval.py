@@ -281,6 +281,7 @@ def test_values_the_trainer_would_refuse_late_are_refused_when_the_config_loads(
     (["proximal.interpolation=linear"], "proximal.interpolation set, but proximal.method=recompute"),
     (["proximal.ewma_beta=0.5"], "proximal.ewma_beta set, but proximal.method=recompute"),
     (["log.wandb_project=foo", "log.wandb_mode=online"], "log.wandb_project, log.wandb_mode set, but log.wandb=false"),
+    (["runtime.address=auto", "runtime.num_cpus=4"], "runtime.address, runtime.num_cpus set, but runtime.name=inline"),
 ])
 def test_settings_that_another_setting_turns_off_are_warned(items, needle):
     """Fresh-user findings: these were ignored without a word (critic.* and env.* were warned),
@@ -292,7 +293,8 @@ def test_settings_that_another_setting_turns_off_are_warned(items, needle):
     assert not any("still the default" in w for w in warnings)
     # the same keys where they take effect: no warning
     on = {"async": ["async.adaptive=true"], "lora.": ["lora.enabled=true"], "proximal.interpolation": [
-        "proximal.method=interpolate"], "proximal.ewma": ["proximal.method=ewma"], "log.": ["log.wandb=true"]}
+        "proximal.method=interpolate"], "proximal.ewma": ["proximal.method=ewma"], "log.": ["log.wandb=true"],
+        "runtime.": ["runtime.name=ray"]}
     for prefix, extra in on.items():
         if items[0].startswith(prefix):
             assert config_warnings(load_config(None, [*items, *extra])) == []

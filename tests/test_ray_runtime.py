@@ -505,3 +505,29 @@ def test_without_ray_the_error_says_how_to_install_it(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match=r"runtime.name=ray needs Ray.*pip install 'conveyor\[ray\]'"):
         run_training(cfg)
     assert not (tmp_path / "r").exists()  # refused before anything was loaded or written
+
+
+def test_an_address_where_nothing_answers_is_refused_before_the_run_dir(tmp_path, monkeypatch):
+    """Fresh-user trial 3, finding 3: runtime.address=127.0.0.1:1 hung in ray.init with no word,
+    after the run directory was made; now `conveyor train` fails at once (exit 1) naming the key,
+    and nothing is written. A malformed address is a ValueError naming the forms."""
+    from typer.testing import CliRunner
+
+    from conveyor.cli import app
+    from conveyor.runtime.ray import RayConnectError, check_ray_address
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh `conveyor train` process
+    port = _free_port()  # nothing listens there
+    t0 = time.time()
+    r = CliRunner().invoke(app, ["train", *BASE, *NO_EVAL, "runtime.name=ray", f"runtime.address=127.0.0.1:{port}",
+                                 f"run.dir={tmp_path / 'r'}"])
+    assert r.exit_code == 1 and time.time() - t0 < 30, r.output
+    out = " ".join(r.output.split())
+    assert f"runtime.address=127.0.0.1:{port}: no Ray cluster answers at 127.0.0.1:{port}" in out
+    assert "ray start --head" in out and not (tmp_path / "r").exists()
+    with pytest.raises(RayConnectError, match=f"ray://127.0.0.1:{port}: no Ray cluster answers"):
+        check_ray_address(f"ray://127.0.0.1:{port}")
+    for bad in ("127.0.0.1", "host:port", ":6379", "h:70000"):
+        with pytest.raises(ValueError, match=r"expected auto, host:port or ray://host:port"):
+            check_ray_address(bad)
+    check_ray_address(None), check_ray_address("auto")  # not probed

@@ -320,7 +320,7 @@ def train_cmd(
     from conveyor.models import ModelLoadError
     from conveyor.rollout.controller import EpisodesFailedError
     from conveyor.runlog import console_log_handler
-    from conveyor.runtime.ray import RolloutActorError  # (imports no Ray)
+    from conveyor.runtime.ray import RayConnectError, RolloutActorError  # (imports no Ray)
     from conveyor.runtime_files import RunFileError, describe_os_error, is_disk_full
     from conveyor.shutdown import StopNow
     from conveyor.train import load_run_config, run_training
@@ -361,6 +361,8 @@ def train_cmd(
         raise
     except NonFiniteLossError as e:
         _fail(f"{e}\nThe last state was checkpointed; see events.jsonl in the run directory.", code=1)
+    except RayConnectError as e:  # runtime.address unreachable, or a local cluster that cannot start
+        _fail(str(e), code=1)
     except RolloutActorError as e:  # runtime.name=ray: the actor's message (its log: train.log)
         _fail(f"{e}\nSee train.log and events.jsonl in the run directory.", code=1)
     except EpisodesFailedError as e:  # a broken environment / agent (its options): checkpointed first

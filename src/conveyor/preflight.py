@@ -229,6 +229,8 @@ def _ignored_settings(cfg: TrainConfig) -> list[str]:
          f"proximal.method={cfg.proximal.method} (dedicated_threads is proximal.method=dedicated's)"),
         ("proximal", ["memory_budget_bytes"], cfg.proximal.method != "auto",
          f"proximal.method={cfg.proximal.method} (the memory budget is proximal.method=auto's)"),
+        ("runtime", [k for k in type(cfg.runtime).model_fields if k != "name"], cfg.runtime.name != "ray",
+         "runtime.name=inline (these are the Ray runtime's: runtime.name=ray)"),
     ]
     for section, keys, off, why in rules:
         changed = _changed(getattr(cfg, "asynchronous" if section == "async" else section), keys)

@@ -398,9 +398,10 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
     """The body of :func:`run_training`: assembly of the components (everything to release is
     registered on ``ctx``); the step protocol is :mod:`conveyor.runtime`'s."""
     if cfg.runtime.name == "ray":  # before anything is loaded or written: a clear error
-        from conveyor.runtime.ray import require_ray
+        from conveyor.runtime.ray import check_ray_address, require_ray
 
-        require_ray()
+        if not require_ray().is_initialized():  # (an initialised Ray is used as it is)
+            check_ray_address(cfg.runtime.address)
     if cfg.log.wandb:  # likewise: pip install 'conveyor[wandb]'
         require_wandb()
     start = _start_point(cfg, resume_dir, console, ctx)

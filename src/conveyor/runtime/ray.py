@@ -69,8 +69,8 @@ from conveyor.runtime.ray_trainer import weights_ref
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RayEngine", "RayRewardService", "RayRollout", "RolloutActor", "RolloutActorError", "RolloutActorTimeout",
-           "build_ray_rollout", "connect_ray", "require_ray", "start_rollout_actor"]
+__all__ = ["RayEngine", "RayRewardService", "RayRollout", "RolloutActor", "RayConnectError", "RolloutActorError", "RolloutActorTimeout",
+           "build_ray_rollout", "check_ray_address", "connect_ray", "require_ray", "start_rollout_actor"]
 
 INSTALL_HINT = "pip install 'conveyor[ray]'"
 """How to install Ray for conveyor (the ``ray`` extra)."""
@@ -127,6 +127,39 @@ def run_cpus(cfg) -> float:
             + (rt.trainer_num_cpus if rt.trainer == "actor" else 0.0))
 
 
+class RayConnectError(RuntimeError):
+    """The Ray cluster cannot be started or joined (:func:`connect_ray`,
+    :func:`check_ray_address`): the message names ``runtime.address`` and what to do."""
+
+
+def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
+    """Fail fast when ``runtime.address`` names a host and port where nothing answers:
+    ``ray.init`` retries such an address for minutes without a word (fresh-user trial 3,
+    finding 3). ``None`` (a local cluster), ``auto`` and ``local`` are not probed; ``host:port``
+    and ``ray://host:port`` get one TCP connection attempt of ``timeout_s`` seconds.
+
+    Raises:
+        ValueError: the address has no port, or a port that is not a number in 1..65535.
+        RayConnectError: nothing accepts a connection there (the OS's reason, what to do).
+    """
+    import socket
+
+    if address is None or address in ("auto", "local"):
+        return
+    hostport = address.removeprefix("ray://").rstrip("/")
+    host, sep, port_s = hostport.rpartition(":")
+    if not sep or not host or not port_s.isdigit() or not 1 <= int(port_s) <= 65535:
+        raise ValueError(f"runtime.address={address!r}: expected auto, host:port or ray://host:port (the head "
+                         "node's address as `ray start --head` prints it), or null for a local cluster")
+    try:
+        socket.create_connection((host.strip("[]"), int(port_s)), timeout=timeout_s).close()
+    except OSError as e:
+        why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__)
+        raise RayConnectError(f"runtime.address={address}: no Ray cluster answers at {host}:{port_s} ({why}); start "
+                           "one with `ray start --head` (it prints the address to use) or set runtime.address=null "
+                           "for a local cluster of this run's own") from e
+
+
 def connect_ray(runtime_cfg, min_cpus: float = 0.0) -> Callable[[], None] | None:
     """Connect this process to a Ray cluster for a run.
 
@@ -146,7 +179,8 @@ def connect_ray(runtime_cfg, min_cpus: float = 0.0) -> Callable[[], None] | None
     Raises:
         ImportError: Ray is missing (:func:`require_ray`).
         ValueError: a local cluster of ``runtime.num_cpus`` smaller than ``min_cpus``.
-        RuntimeError: the cluster cannot be started or joined (Ray's message, with the address).
+        RayConnectError: the cluster cannot be started or joined (Ray's message, with the
+            address; a RuntimeError).
     """
     ray = require_ray()
     if ray.is_initialized():
@@ -171,10 +205,13 @@ def connect_ray(runtime_cfg, min_cpus: float = 0.0) -> Callable[[], None] | None
                                 "%d logical CPUs (oversubscribed)", min_cpus, cores, num_cpus)
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
         else:
+            check_ray_address(runtime_cfg.address)
             ray.init(address=runtime_cfg.address, **kwargs)
     except Exception as e:
         where = "start a local Ray cluster" if runtime_cfg.address is None else f"join the Ray cluster at runtime.address={runtime_cfg.address}"
-        raise RuntimeError(f"could not {where}: {type(e).__name__}: {e}") from e
+        if isinstance(e, RayConnectError):
+            raise
+        raise RayConnectError(f"could not {where}: {type(e).__name__}: {e}") from e
     return ray.shutdown
 
 
