@@ -239,6 +239,20 @@ def test_write_and_read_weights_roundtrip(tmp_path, srv):
     assert "missing" in r.json()["message"]
     assert srv.engine.version != 99
     assert httpx.get(srv.url + "/health", headers=AUTH).status_code == 200
+    # weights holding NaN / inf are refused naming the tensors (fresh-user trial 3, finding 5:
+    # they were applied and every answer's log-probs became bare NaN in the JSON)
+    bad = WeightUpdate.from_model(lm.model, 100)
+    name = next(k for k, t in bad.tensors.items() if t.is_floating_point())
+    bad.tensors[name] = bad.tensors[name].clone()
+    bad.tensors[name].view(-1)[0] = float("nan")
+    assert bad.non_finite() == [name] and up.non_finite() == []
+    write_weights(tmp_path / "nan", bad)
+    before = srv.engine.version
+    r = httpx.post(srv.url + "/update_weights_from_disk", headers=AUTH, timeout=30,
+                   json={"model_path": str(tmp_path / "nan"), "weight_version": "100"})
+    assert r.status_code == 400 and r.json()["success"] is False
+    assert f"1 tensors hold NaN or infinite values ({name}); the weights in force are kept" in r.json()["message"]
+    assert srv.engine.version == before
 
 
 # ------------------------------------------------------------------ pause / abort
@@ -656,3 +670,99 @@ def test_serve_command_is_wired(monkeypatch):
     assert seen["host"] == "127.0.0.1" and seen["max_batch_size"] == 4
     res = CliRunner().invoke(app, ["serve", "--port", "0"])
     assert res.exit_code == 2 and "--port" in res.output
+
+
+def test_serve_refuses_a_model_with_non_finite_weights(tmp_path):
+    """conveyor serve of weights holding NaN stops before binding, naming them (every answer
+    would be sampled from NaN logits)."""
+    from conveyor.models import ModelLoadError
+    from conveyor.rollout.engine.server import serve
+
+    lm = load_model("tiny", seed=0)
+    with torch.no_grad():
+        lm.model.model.norm.weight[0] = float("inf")
+    lm.model.save_pretrained(tmp_path / "m")
+    lm.tokenizer.save_pretrained(tmp_path / "m")
+    with pytest.raises(ModelLoadError, match=r"1 weights hold NaN or infinite values \(model.norm.weight\)"):
+        serve(str(tmp_path / "m"), port=1)  # (port 1 is never bound: refused first)
+
+
+def test_serve_of_a_run_serves_its_export_at_its_policy_version(tmp_path, monkeypatch):
+    """Fresh-user trial 3, finding 6: `conveyor serve --model RUN/export` reported weight_version
+    0 (not the policy version the export holds) and `--model RUN` was refused while `conveyor
+    eval --model RUN` evaluates its export; now both serve the export at its policy_version."""
+    import json as _json
+
+    import uvicorn
+    from fastapi.testclient import TestClient
+    from typer.testing import CliRunner
+
+    from conveyor.cli import app
+
+    lm = load_model("tiny", seed=0)
+    run = tmp_path / "run"
+    lm.model.save_pretrained(run / "export")
+    lm.tokenizer.save_pretrained(run / "export")
+    (run / "export" / "conveyor.json").write_text(_json.dumps({"policy_version": 7, "total_steps": 7}))
+    (run / "config.json").write_text(_json.dumps({"model": {"name": "tiny"}, "rollout": {}, "trainer": {}}))
+    seen = []
+
+    def fake_run(server_app, host, port, log_level):  # instead of binding: ask the app
+        with TestClient(server_app) as client:
+            seen.append((client.get("/get_weight_version").json(), client.get("/get_model_info").json()))
+
+    monkeypatch.setattr(uvicorn, "run", fake_run)
+    for ref in (run, run / "export"):
+        r = CliRunner().invoke(app, ["serve", "--model", str(ref), "--port", "30999"])
+        assert r.exit_code == 0, r.output
+        assert seen[-1][0] == {"weight_version": "7"} and seen[-1][1]["model_path"] == str(run / "export")
+    r = CliRunner().invoke(app, ["serve", "--model", str(run), "--port", "30999"])
+    assert "serving its export" in " ".join(r.output.split())
+    r = CliRunner().invoke(app, ["serve", "--model", "tiny", "--port", "30999"])
+    assert r.exit_code == 0 and seen[-1][0] == {"weight_version": "0"}
+    (run / "export" / "conveyor.json").write_text("[1]")
+    r = CliRunner().invoke(app, ["serve", "--model", str(run / "export"), "--port", "30999"])
+    assert r.exit_code != 0 and "expected a JSON object, got list" in " ".join(r.output.split())
+    assert "Loading weights" not in r.output  # refused before the model loads
+
+
+def test_a_matched_stop_string_is_cut_from_the_text_not_the_ids(srv):
+    """Fresh-user trial 3, finding 7: /generate returned the matched stop string in ``text``
+    (SGLang cuts it unless ``no_stop_trim``); /v1/completions likewise (vLLM's
+    ``include_stop_str_in_output``). ``output_ids`` keep every generated token."""
+    prompt = _prompt(srv.tok)
+    sp = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+    def gen(**extra):
+        r = httpx.post(srv.url + "/generate", headers=AUTH, timeout=60,
+                       json={"input_ids": prompt, "sampling_params": {**sp, **extra}})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    full = gen()
+    text = full["text"]
+    stop = next(text[i:i + 2] for i in range(len(text) // 3, len(text) - 1) if text[i:i + 2].strip())
+    cut = gen(stop=[stop])
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert cut["text"] == text[:text.find(stop)] and stop not in cut["text"]
+    kept = gen(stop=[stop], no_stop_trim=True)
+    assert kept["text"].endswith(stop) and kept["text"].startswith(cut["text"])
+    assert cut["output_ids"] == kept["output_ids"] == full["output_ids"][:len(cut["output_ids"])]
+    assert stop in srv.tok.decode(cut["output_ids"], skip_special_tokens=True)  # the ids still hold it
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": [stop]}
+    c = httpx.post(srv.url + "/v1/completions", headers=AUTH, timeout=60, json=body).json()["choices"][0]
+    assert c["text"] == cut["text"] and c["finish_reason"] == "stop" and c["stop_reason"] == stop
+    c = httpx.post(srv.url + "/v1/completions", headers=AUTH, timeout=60,
+                   json={**body, "include_stop_str_in_output": True}).json()["choices"][0]
+    assert c["text"] == kept["text"]
+    # conveyor's clients ask for the whole text, as a local engine gives it (the calculator tool
+    # looks for its "=" stop string in it)
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, stop=(stop,))
+    local = _local(srv.engine, prompt, params)
+    vllm = VllmEngine(srv.url, api_key=KEY, model="tiny", version=srv.engine.version, retries=0)
+    try:
+        for client in (srv.http, vllm):
+            out = asyncio.run(client.generate(prompt, params))
+            assert out.text == local.text == kept["text"] and out.token_ids == local.token_ids
+    finally:
+        vllm.close()

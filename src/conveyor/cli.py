@@ -603,7 +603,8 @@ def simulate_cmd(
 
 @app.command("serve")
 def serve_cmd(
-    model: Annotated[str, typer.Option(help="preset (smollm2-135m-instruct, tiny), HF directory or .gguf file")] = "smollm2-135m-instruct",
+    model: Annotated[str, typer.Option(help="preset (smollm2-135m-instruct, tiny), HF directory, .gguf file, a run's "
+                                            "export (RUN/export) or run directory (its export)")] = "smollm2-135m-instruct",
     host: Annotated[str, typer.Option(help="interface to bind (default: this machine only)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 30000,
     api_key: Annotated[str | None, typer.Option(envvar="CONVEYOR_API_KEY", help="require 'Authorization: Bearer KEY' on every request (or set CONVEYOR_API_KEY)")] = None,
@@ -621,9 +622,18 @@ def serve_cmd(
     /get_weight_version), /conveyor/stats, and a minimal imitation of vLLM's /v1/completions
     (token-id prompts). Clients: conveyor.rollout.engine.remote.HttpEngine / VllmEngine.
     """
+    from rich.markup import escape
+
+    from conveyor.eval import resolve_eval_model
     from conveyor.models import ModelLoadError
     from conveyor.rollout.engine.server import serve
 
+    try:  # a run directory serves its export, as conveyor eval evaluates it
+        model, note = resolve_eval_model(model, verb="serving")
+    except ValueError as e:
+        _fail(str(e))
+    if note is not None:
+        console.print(f"[bold yellow]note:[/] {escape(note)}", emoji=False, soft_wrap=True)
     if not 0 < port < 65536:
         _fail(f"--port must be in 1..65535, got {port}")
     if max_batch_size < 1:
@@ -636,7 +646,7 @@ def serve_cmd(
     try:
         serve(model, host=host, port=port, api_key=api_key, max_batch_size=max_batch_size,
               seed=seed, num_threads=num_threads, log_level=log_level, device=engine_device, init=init)
-    except ModelLoadError as e:
+    except (ModelLoadError, ValueError) as e:  # (ValueError: an export's unreadable conveyor.json)
         _fail(str(e))
     except OSError as e:
         _fail(f"cannot serve on {host}:{port}: {e}")

@@ -346,8 +346,8 @@ def _no_export_reason(run_dir: Path) -> str:
     return "the run finished without one, or it was deleted"
 
 
-def resolve_eval_model(model: str) -> tuple[str, str | None]:
-    """The model ``conveyor eval --model MODEL`` loads.
+def resolve_eval_model(model: str, *, verb: str = "evaluating") -> tuple[str, str | None]:
+    """The model ``conveyor eval --model MODEL`` (and ``conveyor serve --model MODEL``) loads.
 
     A ``conveyor train`` run directory (:func:`is_run_dir`) is not a model: its ``config.json``
     is the run's config. Given one, its export ``RUN/export`` is evaluated (the run's final
@@ -357,6 +357,7 @@ def resolve_eval_model(model: str) -> tuple[str, str | None]:
 
     Args:
         model: The ``--model`` reference.
+        verb: What the note says is done with the export (``serving`` for ``conveyor serve``).
 
     Returns:
         ``(model to load, note)``: ``model`` itself and None for anything but a run directory;
@@ -379,7 +380,7 @@ def resolve_eval_model(model: str) -> tuple[str, str | None]:
                     "finishes it and exports again")
         else:
             what = "the run's final policy"
-        return str(export), f"{model} is a conveyor training run directory: evaluating its export {export} ({what})"
+        return str(export), f"{model} is a conveyor training run directory: {verb} its export {export} ({what})"
     if export.is_dir():
         why = f"{export} has no config.json: an incomplete export (the run stopped while exporting?)"
     else:

@@ -105,6 +105,16 @@ class WeightUpdate:
         out.update({name: self.tensors[src] for name, src in self.aliases.items()})
         return out
 
+    def non_finite(self) -> list[str]:
+        """Names of the floating-point tensors (and LoRA factors, as ``name.A`` / ``name.B``)
+        holding a NaN or an infinity; empty when every value is finite. A receiver that did not
+        produce the weights itself (``conveyor serve``'s ``/update_weights_from_disk``) refuses
+        such an update: every request would then sample from NaN logits."""
+        bad = [k for k, t in self.tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        for k, f in self.lora.items():
+            bad += [f"{k}.{n}" for n, t in (("A", f.A), ("B", f.B)) if not bool(torch.isfinite(t).all())]
+        return bad
+
     def cast(self, dtype: torch.dtype) -> WeightUpdate:
         """A copy with every floating-point tensor of :attr:`tensors` cast to ``dtype`` (e.g.
         ``torch.bfloat16`` for a bf16 engine: half the bytes on the wire, and exactly what the

@@ -360,6 +360,9 @@ def _sampling_body(params: SamplingParams) -> dict[str, Any]:
     }
     if params.stop:
         body["stop"] = list(params.stop)
+        # the text of every generated token, as a local engine's (a workflow may look for the stop
+        # string, e.g. the calculator tool's "="); SGLang would cut it (slime sends this too)
+        body["no_stop_trim"] = True
     if params.stop_token_ids:
         body["stop_token_ids"] = list(params.stop_token_ids)
     if params.seed is not None:
@@ -772,6 +775,7 @@ class VllmEngine(_RemoteEngine):
             body["model"] = self.served_model
         if params.stop:
             body["stop"] = list(params.stop)
+            body["include_stop_str_in_output"] = True  # the text of every token, as a local engine's
         if params.stop_token_ids:
             body["stop_token_ids"] = list(params.stop_token_ids)
         if params.seed is not None:

@@ -61,7 +61,7 @@ _GENERATE_FIELDS = {
 }
 _SAMPLING_FIELDS = {
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
-    "ignore_eos", "seed", "sampling_seed", "n", "skip_special_tokens",
+    "ignore_eos", "seed", "sampling_seed", "n", "skip_special_tokens", "no_stop_trim",
 }
 _UPDATE_FIELDS = {
     "model_path", "weight_version", "abort_all_requests", "load_format", "flush_cache",
@@ -69,7 +69,7 @@ _UPDATE_FIELDS = {
 _COMPLETIONS_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
     "stop_token_ids", "ignore_eos", "logprobs", "return_tokens_as_token_ids",
-    "skip_special_tokens", "n", "stream", "echo", "user",
+    "skip_special_tokens", "n", "stream", "echo", "user", "include_stop_str_in_output",
 }
 
 
@@ -202,11 +202,27 @@ def _version_spans(versions: Sequence[int]) -> list[dict[str, Any]]:
     return spans
 
 
+def _matched_stop(out: GenerationOutput, params: SamplingParams) -> str | None:
+    """The stop string that ended ``out`` (the first of ``params.stop`` in its text), or None."""
+    if out.finish_reason != FINISH_STOP:
+        return None
+    return next((s for s in params.stop if s in out.text), None)
+
+
+def trimmed_text(out: GenerationOutput, params: SamplingParams) -> str:
+    """``out.text`` cut before the stop string that ended it, as SGLang's detokenizer
+    (``trim_matched_stop`` unless ``no_stop_trim``) and vLLM (``include_stop_str_in_output``
+    false, the default) return it; unchanged when no stop string matched. The token ids are
+    never cut: the stop string's tokens were generated and are trained on."""
+    matched = _matched_stop(out, params)
+    return out.text if matched is None else out.text[:out.text.find(matched)]
+
+
 def _finish_reason_json(out: GenerationOutput, params: SamplingParams) -> dict[str, Any]:
     """SGLang's ``FINISH_*.to_json()``: ``{"type": "stop", "matched": str | id}``, ``{"type":
     "length", "length": n}``, ``{"type": "abort", "message": str}``."""
     if out.finish_reason == FINISH_STOP:
-        matched: Any = next((s for s in params.stop if s in out.text), None)
+        matched: Any = _matched_stop(out, params)
         if matched is None and out.token_ids:
             matched = out.token_ids[-1]
         return {"type": "stop", "matched": matched}
@@ -226,6 +242,7 @@ def generation_to_sglang(
     return_logprob: bool = True,
     return_sampling_mask: bool = False,
     latency: float | None = None,
+    no_stop_trim: bool = False,
 ) -> dict[str, Any]:
     """One finished request as SGLang's non-stream ``/generate`` answer.
 
@@ -240,6 +257,9 @@ def generation_to_sglang(
             numbers as ``output_token_logprobs``: conveyor's log-probs are already renormalised
             over the kept set) and ``output_token_sampling_mask_length`` (``R``).
         latency: Seconds from arrival to finish (``meta_info.e2e_latency``).
+        no_stop_trim: Keep a matched stop string in ``text`` (SGLang's sampling parameter;
+            by default ``text`` ends before it, :func:`trimmed_text`; ``output_ids`` always hold
+            every generated token).
 
     Returns:
         ``{"text", "output_ids", "meta_info"}``; ``meta_info`` has ``id``, ``finish_reason``
@@ -272,7 +292,8 @@ def generation_to_sglang(
         meta["output_token_sampling_mask"] = [ids[a:b] for a, b in zip(offs[:-1], offs[1:])]
         meta["output_token_sampling_logprobs"] = list(out.logprobs)
         meta["output_token_sampling_mask_length"] = len(out.token_ids)
-    return {"text": out.text, "output_ids": list(out.token_ids), "meta_info": meta}
+    text = out.text if no_stop_trim else trimmed_text(out, params)
+    return {"text": text, "output_ids": list(out.token_ids), "meta_info": meta}
 
 
 def build_app(
@@ -414,6 +435,7 @@ def build_app(
             raise BadRequest("return_sampling_mask needs truncated sampling (temperature > 0 "
                              "with top_k > 0, top_p < 1 or min_p > 0): otherwise the kept set "
                              "is the whole vocabulary", "return_sampling_mask")
+        no_trim = _bool_field(body.get("sampling_params") or {}, "no_stop_trim", False)
         rid = body.get("rid") or uuid.uuid4().hex
         if not isinstance(rid, str):
             raise BadRequest("rid must be a string", "rid")
@@ -421,7 +443,7 @@ def build_app(
         return generation_to_sglang(out, params, rid, version=engine.version,
                                     return_logprob=return_logprob,
                                     return_sampling_mask=return_mask,
-                                    latency=time.perf_counter() - t0)
+                                    latency=time.perf_counter() - t0, no_stop_trim=no_trim)
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
@@ -430,7 +452,8 @@ def build_app(
         absent: current + 1), ``abort_all_requests`` (abort in-flight requests first).
         ``load_format`` (``auto`` / ``safetensors``) and ``flush_cache`` are accepted; there is
         no prefix cache to flush. -> ``{"success", "message", "num_paused_requests"}`` (the
-        requests in flight that the update interrupts), 400 with ``success: false`` on failure.
+        requests in flight that the update interrupts), 400 with ``success: false`` on failure
+        (weights holding NaN or infinite values included: refused, naming the tensors).
         """
         body = await body_of(request)
         _check_fields(body, _UPDATE_FIELDS)
@@ -456,6 +479,10 @@ def build_app(
         paused_requests = int(engine.stats().get("running", 0))
         try:
             update = await asyncio.to_thread(read_weights, path, version)
+            bad = await asyncio.to_thread(update.non_finite)
+            if bad:  # every request would sample from NaN logits: refused, the weights in force kept
+                raise ValueError(f"{len(bad)} tensors hold NaN or infinite values ({', '.join(bad[:5])}"
+                                 f"{', ...' if len(bad) > 5 else ''}); the weights in force are kept")
             await asyncio.to_thread(engine.update_weights, update)
         except (OSError, ValueError, KeyError, TypeError) as e:
             msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
@@ -543,8 +570,9 @@ def build_app(
         non-stream): ``prompt`` [int], ``max_tokens`` (default 16, as OpenAI),
         ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``,
         ``stop_token_ids``, ``ignore_eos``, ``logprobs`` (None or 0: the sampled token's),
-        ``return_tokens_as_token_ids``. Answer: ``choices[0]`` with ``text``, ``finish_reason``
-        (plain string), ``logprobs`` ``{"tokens": ["token_id:<n>" | token text],
+        ``return_tokens_as_token_ids``, ``include_stop_str_in_output`` (default false: ``text``
+        ends before a matched stop string, as vLLM's). Answer: ``choices[0]`` with ``text``,
+        ``finish_reason`` (plain string), ``stop_reason`` (the matched stop string, else null), ``logprobs`` ``{"tokens": ["token_id:<n>" | token text],
         "token_logprobs", "top_logprobs", "text_offset"}`` (vLLM's names); ``usage``."""
         body = await body_of(request)
         _check_fields(body, _COMPLETIONS_FIELDS)
@@ -557,6 +585,7 @@ def build_app(
         prompt = _prompt_ids(body, tokenizer, ids_key="prompt", text_key=None)
         params = _sampling_params(body, where="", max_key="max_tokens", default_max=16)
         as_ids = _bool_field(body, "return_tokens_as_token_ids", False)
+        keep_stop = _bool_field(body, "include_stop_str_in_output", False)
         if lp is not None and not as_ids and tokenizer is None:
             raise BadRequest("return_tokens_as_token_ids=false needs a tokenizer",
                              "return_tokens_as_token_ids")
@@ -575,8 +604,9 @@ def build_app(
         return {
             "id": rid, "object": "text_completion", "created": int(time.time()),
             "model": body.get("model") or served_name,
-            "choices": [{"index": 0, "text": out.text, "logprobs": logprobs,
-                         "finish_reason": out.finish_reason, "stop_reason": None}],
+            "choices": [{"index": 0, "text": out.text if keep_stop else trimmed_text(out, params),
+                         "logprobs": logprobs, "finish_reason": out.finish_reason,
+                         "stop_reason": _matched_stop(out, params)}],
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out.token_ids),
                       "total_tokens": len(prompt) + len(out.token_ids)},
         }
@@ -621,7 +651,8 @@ def serve(
 
     Args:
         model: A preset (``smollm2-135m-instruct``, ``tiny``), a Hugging Face directory or a
-            ``.gguf`` file (``conveyor.models.load_model``).
+            ``.gguf`` file (``conveyor.models.load_model``). A run's export starts at the
+            ``policy_version`` of its ``conveyor.json`` (``weight_version``; else 0).
         host: Interface to bind; 127.0.0.1 by default (reachable from this machine only).
         port: TCP port.
         api_key: Require ``Authorization: Bearer <api_key>`` on every request.
@@ -631,18 +662,33 @@ def serve(
         init: ``pretrained`` or ``random`` (:func:`conveyor.models.load_model`).
 
     Raises:
-        conveyor.models.ModelLoadError: the model cannot be loaded.
+        conveyor.models.ModelLoadError: the model cannot be loaded, or its weights hold NaN or
+            infinite values.
+        ValueError: an export's ``conveyor.json`` is unreadable (naming the file and key).
         OSError: the port cannot be bound.
     """
     import uvicorn
 
-    from conveyor.models import load_model
+    import torch
+
+    from conveyor.eval import load_export_settings
+    from conveyor.models import ModelLoadError, load_model
     from conveyor.rollout.engine.local import InferenceEngine
 
+    # a run's export starts at the policy version it holds (its conveyor.json), so weight_version
+    # and every token's version name that policy; any other model starts at 0
+    exported = (load_export_settings(model) or {}) if init == "pretrained" else {}
+    version = exported.get("policy_version")
+    version = version if isinstance(version, int) and version >= 0 else 0
     lm = load_model(model, init=init)
+    bad = [n for n, t in lm.model.state_dict().items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:  # every answer would be sampled from NaN logits (and its log-probs NaN)
+        raise ModelLoadError(f"{model}: {len(bad)} weights hold NaN or infinite values ({', '.join(bad[:5])}"
+                             f"{', ...' if len(bad) > 5 else ''}); refusing to serve them")
     engine = InferenceEngine(lm.model, lm.tokenizer, max_batch_size=max_batch_size, seed=seed,
-                             num_threads=num_threads, device=device)
-    log.info("serving %s%s on %s", model, " (random weights)" if init == "random" else "", engine.device)
+                             num_threads=num_threads, device=device, version=version)
+    log.info("serving %s%s on %s at weight version %d", model, " (random weights)" if init == "random" else "",
+             engine.device, version)
     engine.start()
     try:
         app = build_app(engine, api_key=api_key, model_path=model)
