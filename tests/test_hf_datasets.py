@@ -152,3 +152,16 @@ def test_malformed_rows_are_named_or_skipped(tmp_path):
         load_dataset(f"hf:{path}")
     report = load_dataset_report(f"hf:{path}", skip_malformed=True)
     assert _pairs(report.samples) == [("ok?", "1")] and [n for n, _ in report.skipped] == [2, 3]
+    # fresh-user trial 3, finding 8: a null answer was reported as "no answer field ... (fields
+    # present: answer, question)"; the column is there, its value is null
+    assert report.skipped[1][1] == "field 'answer': the answer is null (empty); fill it in or drop the row"
+
+
+def test_a_dataset_saved_with_no_rows_says_so(tmp_path):
+    """Fresh-user trial 3, finding 9: a Dataset saved with 0 rows (which datasets itself cannot
+    open: IndexError) was reported as not a dataset directory at all."""
+    for name, obj in (("single", datasets.Dataset.from_dict({"question": [], "answer": []})),
+                      ("dict", datasets.DatasetDict({"train": datasets.Dataset.from_dict({"question": []})}))):
+        obj.save_to_disk(str(tmp_path / name))
+        with pytest.raises(DatasetError, match=rf"hf dataset {tmp_path / name}: it has no rows \(saved with 0 rows"):
+            load_dataset(f"hf:{tmp_path / name}")

@@ -390,6 +390,9 @@ def _pick(row: dict[str, Any], explicit: str | None, candidates: tuple[str, ...]
     for name in candidates:
         if row.get(name) is not None:
             return name
+    null = [name for name in candidates if name in row]
+    if null:  # e.g. an hf: dataset, whose every row has every column: the field is there, empty
+        raise _RowError(f"field {null[0]!r}: the {kind} is null (empty); fill it in or drop the row")
     keys = ", ".join(sorted(map(str, row))) or "none"
     raise _RowError(
         f"no {kind} field: none of {', '.join(candidates)} is present (fields present: {keys}); "
@@ -884,6 +887,16 @@ def _hf_target(spec: str, text: str) -> tuple[Path, str | None]:
     return path, split
 
 
+def _hf_saved_empty(path: Path) -> bool:
+    """Whether the ``save_to_disk`` directory ``path`` holds no data file at all (a Dataset, or
+    every split of a DatasetDict, saved with 0 rows), as its ``state.json`` files say."""
+    states = [path / "state.json"] if (path / "state.json").is_file() else sorted(path.glob("*/state.json"))
+    try:
+        return bool(states) and all(not json.loads(p.read_text()).get("_data_files") for p in states)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _load_hf(
     spec: str,
     path_text: str,
@@ -899,6 +912,9 @@ def _load_hf(
         try:
             obj = datasets.load_from_disk(str(path)) if saved else datasets.load_dataset(str(path))
         except Exception as exc:  # datasets raises many types (FileNotFoundError, ValueError, ...)
+            if saved and _hf_saved_empty(path):  # datasets cannot load a split saved with no rows
+                raise DatasetError(f"hf dataset {path}: it has no rows (saved with 0 rows; "
+                                   "datasets cannot even open it)") from None
             raise DatasetError(
                 f"dataset spec {spec!r}: datasets cannot read {path} "
                 f"({type(exc).__name__}: {exc}); hf: takes a directory written by "
