@@ -243,6 +243,9 @@ def test_resume_of_a_finished_run_changes_nothing_and_heldout_settings_are_fixed
 
     with pytest.raises(ConfigError, match=r"env\.name cannot change on resume"):
         load_run_config(run, ["env.name=guess"])
+    # a fixed key given with its saved value is not named (it changes nothing)
+    with pytest.raises(ConfigError, match=r"--resume \S+: env\.name cannot change on resume"):
+        load_run_config(run, ["model.name=tiny", "env.name=guess"])
 
 
 def test_resume_to_train_longer_moves_the_old_eval_after_aside_and_refuses_fixed_changes(tmp_path):

@@ -547,8 +547,24 @@ def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> 
         fixed = {f"{a}.{b}" for a, b in FIXED_ON_RESUME}
         if (Path(run_dir) / "eval_before.json").is_file():
             fixed |= {f"{a}.{b}" for a, b in FIXED_FOR_HELDOUT}
-        keys = [o.partition("=")[0].strip() for o in overrides or []]
-        hit = [k for k in keys if k in fixed or any(k.startswith(f + ".") for f in fixed)]
+        from conveyor.config import _parse_value
+
+        try:
+            saved = json.loads(p.read_text())
+        except (OSError, ValueError):
+            saved = {}
+
+        def differs(item: str) -> bool:  # an override that keeps the saved value changes nothing
+            key, _, raw = item.partition("=")
+            node: object = saved
+            for part in key.strip().split("."):
+                if not isinstance(node, dict) or part not in node:
+                    return True
+                node = node[part]
+            return node != _parse_value(raw)
+
+        hit = [o.partition("=")[0].strip() for o in overrides or [] if differs(o)]
+        hit = [k for k in hit if k in fixed or any(k.startswith(f + ".") for f in fixed)]
         if hit:
             raise ConfigError(f"{e}\n(--resume {run_dir}: {', '.join(hit)} cannot change on resume: the checkpoint "
                               "and the held-out evaluation before training were made with the saved value; start a "
