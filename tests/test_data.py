@@ -325,7 +325,7 @@ def test_parquet_file(tmp_path: Path) -> None:
 def test_parquet_malformed_row_names_row(tmp_path: Path) -> None:
     path = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"question": ["a", None], "answer": ["1", "2"]}), path)
-    with pytest.raises(DatasetError, match=r"bad\.parquet row 2: no question field"):
+    with pytest.raises(DatasetError, match=r"bad\.parquet row 2: field 'question': the question is null"):
         load_dataset(str(path))
     report = load_dataset_report(str(path), skip_malformed=True)
     assert [s.question for s in report.samples] == ["a"]
