@@ -460,3 +460,19 @@ def test_values_from_the_first_critic_update_survive_a_non_finite_critic_loss(ti
         assert torch.allclose(a, b, atol=1e-6)
     for a, b in zip(fold.critic.parameters(), sep.critic.parameters(), strict=True):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_a_resume_with_other_learning_rates_gives_them_to_the_policy_and_the_critic(tiny):
+    """Fresh-user trial 4, finding 1 through the trainer: trainer.lr and critic.lr changed on
+    resume reach the loaded optimizers (they kept the checkpoint's), and say so."""
+    tr = make_trainer(tiny)
+    state = tr.state_dict()
+    same = make_trainer(tiny)
+    same.load_state_dict(copy.deepcopy(state))
+    assert same.settings_taken == []
+    other = make_trainer(tiny, trainer={"lr": 5e-4}, critic={"lr": 2e-3, "weight_decay": 0.1})
+    other.load_state_dict(copy.deepcopy(state))
+    assert other.settings_taken == ["policy lr 0.001 -> 0.0005", "critic lr 0.001 -> 0.002",
+                                    "critic weight_decay 0.0 -> 0.1"]
+    assert other.policy.lr == pytest.approx(5e-4) and other.critic_updater.lr == pytest.approx(2e-3)
+    assert other.critic_updater.optimizer.param_groups[0]["weight_decay"] == 0.1

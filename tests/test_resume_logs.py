@@ -269,8 +269,14 @@ def test_resume_to_train_longer_moves_the_old_eval_after_aside_and_refuses_fixed
     assert [e["superseded"]["moved_to"] for e in after if e.get("superseded")] == ["eval_after.json.superseded"]
     resume = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "resume"]
     assert resume[-1]["superseded_files"] == ["eval_after.json -> eval_after.json.superseded"]
-    run_training(load_run_config(run, ["trainer.total_steps=4"]), resume_dir=run)  # a second one: .2
-    assert (run / "eval_after.json.superseded.2").is_file() and (run / "eval_after.json").is_file()
+    # a second one: .2; with another trainer.lr, which the optimizer takes (fresh-user trial 4,
+    # finding 1: printed as changed, trained at the old rate); train/lr is each step's own rate
+    run_training(load_run_config(run, ["trainer.total_steps=4", "trainer.lr=1e-3"]), resume_dir=run)
+    assert (run / "eval_after.json.superseded").is_file() and (run / "eval_after.json.superseded.2").is_file()
+    lrs = [r["train/lr"] for r in read_jsonl(run / "metrics.jsonl")]
+    assert lrs == pytest.approx([1e-5, 2e-5, 2e-5, 1e-3])  # warm-up 2: half the peak at step 1
+    resume = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "resume"]
+    assert resume[-1]["optimizer_settings_taken"] == ["policy lr 2e-05 -> 0.001"]
 
 
 def test_a_finished_run_without_a_checkpoint_is_not_silently_trained_again(tmp_path):

@@ -117,3 +117,51 @@ def test_warmup_schedule_hand_values():
     assert [warmup_schedule(4, 0, "constant")(s) for s in range(3)] == [1.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="unknown kind 'linear'"):
         warmup_schedule(4, 0, "linear")
+
+
+def test_a_resumed_updater_takes_its_new_settings_and_reports_the_rate_it_stepped_with():
+    """Fresh-user trial 4, findings 1 and 7: a resume with another lr printed the change but
+    trained at the checkpoint's (the loaded optimizer / schedule state held it), and the logged
+    rate was the schedule's next value, not the one the step used. Hand values: warm-up 2 of a
+    6-step cosine at peak 0.1: steps take 0.05, 0.1; resumed at peak 1.0 (x10) the third step
+    takes 1.0 (lambda(2) = 1.0) and the fourth 0.853553."""
+    def make(lr, betas=(0.9, 0.999), wd=0.0):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 1)
+        return Updater.adamw("policy", model, lr=lr, betas=betas, weight_decay=wd, total_steps=6, warmup_steps=2,
+                             schedule="cosine")
+
+    def step(up):
+        up.model(torch.ones(1, 2)).sum().backward()
+        up.step()
+        up.zero_grad()
+        return round(up.applied_lr, 6)
+
+    up = make(0.1)
+    assert up.applied_lr is None
+    assert [step(up), step(up)] == [0.05, 0.1]
+    state = up.state_dict()
+    assert state["optimizer_settings"] == {"lr": 0.1, "betas": [0.9, 0.999], "weight_decay": 0.0}
+    same = make(0.1)
+    same.load_state_dict(state)
+    assert same.apply_settings(state["optimizer_settings"]) == [] and step(same) == 0.1  # nothing changed
+    new = make(1.0, betas=(0.5, 0.9), wd=0.01)
+    new.load_state_dict(state)
+    assert new.apply_settings(state["optimizer_settings"]) == [
+        "lr 0.1 -> 1", "betas [0.9, 0.999] -> [0.5, 0.9]", "weight_decay 0.0 -> 0.01"]
+    g = new.optimizer.param_groups[0]
+    assert g["betas"] == (0.5, 0.9) and g["weight_decay"] == 0.01 and round(new.lr, 6) == 1.0
+    assert [step(new), step(new)] == [1.0, 0.853553]
+    # a monitor's scale_lr before the checkpoint stays applied under the new peak
+    scaled = make(0.1)
+    step(scaled)
+    scaled.scale_lr(0.5)
+    st = scaled.state_dict()
+    again = make(0.2)
+    again.load_state_dict(st)
+    again.apply_settings(st["optimizer_settings"])
+    assert round(again.lr, 6) == 0.1  # peak 0.2 x 0.5, lambda(1) = 1.0
+    # a checkpoint from before the settings were saved: unchanged, as before
+    old = make(1.0)
+    old.load_state_dict({k: v for k, v in state.items() if k != "optimizer_settings"})
+    assert old.apply_settings(None) == [] and round(old.lr, 6) == 0.1

@@ -373,11 +373,15 @@ def _open_logs(cfg: TrainConfig, run_dir: Path, start: _Start, job: _Job, consol
     if start.restart_in_place:
         logger.event("restart", version=0, **job.resumed)
     if start.ckpt is not None:
-        logger.event("resume", checkpoint=str(start.ckpt), version=trainer.version, **job.resumed, changed=changed)
+        taken = list(getattr(trainer, "settings_taken", []))  # e.g. "policy lr 2e-05 -> 0.001"
+        logger.event("resume", checkpoint=str(start.ckpt), version=trainer.version, **job.resumed, changed=changed,
+                     optimizer_settings_taken=taken)
         console.print(f"[bold]resumed[/] {run_dir} at version {trainer.version} from {start.ckpt.name}")
         if changed:  # config.json now holds the new values: the event keeps what the versions before ran with
             console.print("  changed on resume: " + ", ".join(f"{k} {v['old']!r} -> {v['new']!r}"
                                                               for k, v in changed.items()), soft_wrap=True)
+        if taken:  # the optimizer's loaded state held the checkpoint's values
+            console.print("  the optimizers take them from now on: " + ", ".join(taken), soft_wrap=True)
         if any(k == "reward.fn" or k.startswith("reward.") for k in changed):
             console.print("  [yellow]note:[/] the trajectories buffered in the checkpoint were scored with the "
                           "reward settings before; they are trained as they were scored", soft_wrap=True)

@@ -142,6 +142,7 @@ class TrainerActor:
             "has_critic": t.critic is not None, "critic_warmup_done": t.critic_warmup_done,
             "in_critic_warmup": t.in_critic_warmup,
             "lora": None if t.lora is None else {"note": t.lora.note, "trainable": t.lora.trainable},
+            "settings_taken": list(t.settings_taken),
         }
 
     def call(self, method: str, *args, **kwargs) -> tuple[Any, dict, list[dict]]:
@@ -305,6 +306,12 @@ class RayTrainer:
     def load_state_dict(self, state: dict) -> None:
         """Restore a checkpoint's ``trainer.pt`` contents in the actor."""
         self._remote("load_state_dict", state)
+
+    @property
+    def settings_taken(self) -> list[str]:
+        """Optimizer settings the last :meth:`load_state_dict` changed (the actor's
+        ``Trainer.settings_taken``)."""
+        return list(self._info.get("settings_taken", []))
 
     def scoring_spec(self):
         """The trainer's :class:`~conveyor.rollout.old_logprobs.ScoringSpec`."""

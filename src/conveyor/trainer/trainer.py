@@ -292,6 +292,7 @@ class Trainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.version = version
         self.nonfinite_in_a_row = 0
+        self.settings_taken: list[str] = []  # optimizer settings a resume changed (load_state_dict)
         pc = proximal_cfg or ProximalConfig()
         self.proximal, self.proximal_note = build_strategy(
             pc.method, model, eta=eta, version=version, interpolation=pc.interpolation, ewma_beta=pc.ewma_beta,
@@ -1108,7 +1109,7 @@ class Trainer:
         metrics.update({f"critic/grad_norm_{name}": g for name, g in kinds.items()})
         metrics.update({
             "critic/grad_norm": sum(norms) / len(norms) if norms else float("nan"),
-            "critic/lr": up.lr, "critic/updates": float(len(norms)), "critic/skipped_nonfinite": float(skipped),
+            "critic/lr": up.applied_lr if up.applied_lr is not None else up.lr, "critic/updates": float(len(norms)), "critic/skipped_nonfinite": float(skipped),
         })
         return metrics
 
@@ -1309,7 +1310,7 @@ class Trainer:
             "train/grad_norm": (sum(grad_norms) / len(grad_norms) if grad_norms
                                 else 0.0 if n_tok == 0 and not update.skipped else float("nan")),
             "train/optimizer_steps": float(len(grad_norms)),
-            "train/lr": self.policy.lr,
+            "train/lr": self.policy.applied_lr if self.policy.applied_lr is not None else self.policy.lr,
             "train/tokens": float(n_tok),
             "train/micro_batches": float(batch.total_micro_batches or len(mbs)),
             "train/entropy": ent_sum / max(1, n_tok),
@@ -1358,7 +1359,8 @@ class Trainer:
                 policy = _full_state(self.model, self.optimizer)
             return {
                 **policy,
-                "scheduler": self.scheduler.state_dict(), "version": self.version,
+                "scheduler": self.scheduler.state_dict(), "optimizer_settings": dict(self.policy.settings),
+                "version": self.version,
                 "nonfinite_in_a_row": self.nonfinite_in_a_row, "proximal": self.proximal.state_dict(),
                 **self._critic_states(),
                 **({"baseline": self.baseline.state_dict()} if self.baseline is not None else {}),
@@ -1368,6 +1370,7 @@ class Trainer:
             **self._lora_spec(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
+            "optimizer_settings": dict(self.policy.settings),  # a resume with other values takes them
             "version": self.version,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "proximal": self.proximal.state_dict(),
@@ -1392,8 +1395,8 @@ class Trainer:
         if self.dp is None:
             states = [u.state_dict() for u in self.critic_updaters]
         else:
-            states = [{**_full_state(u.model, u.optimizer), "scheduler": u.scheduler.state_dict(), "steps": u.steps}
-                      for u in self.critic_updaters]
+            states = [{**_full_state(u.model, u.optimizer), "scheduler": u.scheduler.state_dict(), "steps": u.steps,
+                       "optimizer_settings": dict(u.settings)} for u in self.critic_updaters]
         return {"critic": states[0], "critic_warmup_done": self.critic_warmup_done,
                 "critic_lora_rank": self.critic_cfg.lora_rank,
                 **({"critics_more": states[1:]} if len(states) > 1 else {})}
@@ -1408,6 +1411,7 @@ class Trainer:
         self._load_optimizer(up.model, up.optimizer, state)
         up.scheduler.load_state_dict(state["scheduler"])
         up.steps = int(state.get("steps", 0))
+        self.settings_taken += [f"{up.name} {c}" for c in up.apply_settings(state.get("optimizer_settings"))]
 
     def _load_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Load ``state["optimizer"]`` written by one process (keyed by position) or by several
@@ -1457,6 +1461,9 @@ class Trainer:
             self.model.load_state_dict(state["model"])
         self._load_optimizer(self.model, self.optimizer, state)
         self.scheduler.load_state_dict(state["scheduler"])
+        # a resume with another trainer.lr / betas / weight_decay takes them (the optimizer's
+        # loaded state holds the checkpoint's); the critics' likewise in _load_updater
+        self.settings_taken = [f"policy {c}" for c in self.policy.apply_settings(state.get("optimizer_settings"))]
         self.version = int(state["version"])
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
         self.proximal.load_state_dict(state.get("proximal", {}))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +53,11 @@ class Updater:
         params: The trainable parameters (the parameter filter's choice).
         grad_clip: Global L2 gradient-norm clip (None: no clipping, the norm is still measured).
         steps: Optimiser steps taken.
+        settings: The configured ``lr`` (the peak the schedule scales), ``betas`` and
+            ``weight_decay`` (:meth:`adamw`); checkpointed with the optimizer
+            (:meth:`apply_settings` makes a resume with other values take them).
+        applied_lr: The learning rate of the last optimiser step taken (None before the first):
+            what the parameters were updated with, not the schedule's next value.
     """
 
     name: str
@@ -62,6 +67,8 @@ class Updater:
     params: list[torch.nn.Parameter]
     grad_clip: float | None = None
     steps: int = 0
+    settings: dict = field(default_factory=dict)
+    applied_lr: float | None = None
 
     @classmethod
     def adamw(cls, name: str, model: torch.nn.Module, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
@@ -84,7 +91,8 @@ class Updater:
         opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
                                 foreach=None if fused else foreach, fused=fused or None)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_schedule(total_steps, warmup_steps, schedule))
-        return cls(name=name, model=model, optimizer=opt, scheduler=sched, params=params, grad_clip=grad_clip)
+        return cls(name=name, model=model, optimizer=opt, scheduler=sched, params=params, grad_clip=grad_clip,
+                   settings={"lr": float(lr), "betas": [float(b) for b in betas], "weight_decay": float(weight_decay)})
 
     def zero_grad(self) -> None:
         """Drop the gradients (``set_to_none``: their memory is freed)."""
@@ -98,7 +106,8 @@ class Updater:
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def step(self) -> None:
-        """One optimiser step and one schedule step."""
+        """One optimiser step and one schedule step (:attr:`applied_lr`: the step's rate)."""
+        self.applied_lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
         self.scheduler.step()
         self.steps += 1
@@ -119,13 +128,48 @@ class Updater:
 
     @property
     def lr(self) -> float:
-        """The current learning rate."""
+        """The learning rate the next optimiser step will take (the schedule's current value)."""
         return self.scheduler.get_last_lr()[0]
+
+    def apply_settings(self, saved: dict | None) -> list[str]:
+        """After a checkpoint's optimizer and schedule were loaded: take this updater's
+        configured :attr:`settings` where they differ from ``saved`` (the settings the
+        checkpoint was written with), so that a resume with another ``lr``, ``betas`` or
+        ``weight_decay`` trains with it (the loaded optimizer state holds the old values).
+
+        A new ``lr`` rescales the schedule's peak by ``new / saved`` (a factor a monitor
+        ``scale_lr`` action applied stays applied) and the current rate with it, at the
+        schedule's position. ``saved`` None (a checkpoint written before the settings were
+        saved) changes nothing.
+
+        Returns:
+            One line per setting taken, e.g. ``"lr 2e-05 -> 0.001"`` (empty: none differed).
+        """
+        if not saved:
+            return []
+        out = []
+        old_lr, new_lr = float(saved.get("lr", self.settings.get("lr"))), self.settings.get("lr")
+        if new_lr is not None and old_lr > 0 and new_lr != old_lr:
+            factor = new_lr / old_lr
+            self.scheduler.base_lrs = [b * factor for b in self.scheduler.base_lrs]
+            for i, g in enumerate(self.optimizer.param_groups):
+                g["initial_lr"] = self.scheduler.base_lrs[i]
+                g["lr"] = self.scheduler.base_lrs[i] * self.scheduler.lr_lambdas[i](self.scheduler.last_epoch)
+            self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+            out.append(f"lr {old_lr:g} -> {new_lr:g}")
+        for key in ("betas", "weight_decay"):
+            if key in saved and key in self.settings and saved[key] != self.settings[key]:
+                value = tuple(self.settings[key]) if key == "betas" else self.settings[key]
+                for g in self.optimizer.param_groups:
+                    g[key] = value
+                out.append(f"{key} {saved[key]} -> {self.settings[key]}")
+        return out
 
     def state_dict(self) -> dict:
         """Model, optimizer and scheduler state and the step count."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "steps": self.steps}
+                "scheduler": self.scheduler.state_dict(), "steps": self.steps,
+                "optimizer_settings": dict(self.settings)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output."""
