@@ -386,3 +386,20 @@ def test_segment_summary_gives_every_segment_its_versions(tmp_path):
     assert [(s["segment"], s["start_version"], s["end_version"]) for s in segs] == [(0, 0, 4), (1, 2, 5)]
     assert set(segs[0]) == set(segs[1])
     assert (segs[0]["steps"], segs[0]["superseded_steps"], segs[0]["wall_seconds"]) == (4, 2, 40.0)
+
+
+def test_a_console_reader_that_goes_away_does_not_stop_the_run(tmp_path):
+    """Fresh-user trial 4, finding 2: `conveyor train ... | head` (the pipe's reader gone) died
+    with SystemExit(1) from inside a console print, mid-run, without its checkpoint; now the
+    console goes quiet and the run finishes (exit 0, every step logged, train.log says why)."""
+    run = tmp_path / "r"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "train", *FAST, "trainer.total_steps=6",
+                             "data.heldout=", f"run.dir={run}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    first = proc.stdout.readline()  # the reader takes one line, then goes away
+    proc.stdout.close()
+    assert proc.wait(timeout=300) == 0, first
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == list(range(1, 7))
+    assert json.loads((run / "summary.json").read_text())["interrupted"] is False
+    assert "the console's reader went away (broken pipe)" in (run / "train.log").read_text()

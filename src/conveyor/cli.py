@@ -21,7 +21,32 @@ app = typer.Typer(
     no_args_is_help=True,
     help="conveyor: asynchronous RL post-training of LLMs (train, eval, datasets, report, inspect, simulate, serve).",
 )
-console = Console()
+
+
+class _Console(Console):
+    """The commands' console: when its reader goes away (``conveyor train ... | head``, a
+    ``tee`` or a pipe reader killed), console output stops and the command goes on; rich's
+    default raises ``SystemExit(1)`` from inside the print, which killed a training run
+    mid-step without its checkpoint (fresh-user trial 4, finding 2). ``train.log`` keeps every
+    line."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            out = os.fstat(sys.stdout.fileno())
+            same = [fd for fd in (2,) if (os.fstat(fd).st_ino, os.fstat(fd).st_dev) == (out.st_ino, out.st_dev)]
+        except (OSError, ValueError):
+            out, same = None, []
+        for fd in ([sys.stdout.fileno()] if out is not None else []) + same:  # the broken pipe's ends: devnull
+            os.dup2(devnull, fd)
+        os.close(devnull)
+        logging.getLogger("conveyor").warning(
+            "the console's reader went away (broken pipe): console output stops here, the command goes on "
+            "(train.log keeps every line)", extra={"console": False})
+
+
+console = _Console()
 
 
 def _engine_options(device: str, init: str):
