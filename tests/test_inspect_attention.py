@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 
@@ -268,3 +269,48 @@ def test_policy_version_of_an_export_and_the_check(tiny, tmp_path):
     assert version_check(Trajectory([1], [2], "s", run / "eval_after.json", 0, None, 3), policy) is None
     unknown = Policy(None, None, "the run's export (x, policy version unknown)", True, [], None)
     assert "its version is unknown" in version_check(traj, unknown)
+
+
+def test_a_run_being_trained_is_inspected_at_its_newest_checkpoint_and_refused_by_eval(tiny_run, tmp_path,
+                                                                                       monkeypatch):
+    """Fresh-user trial 4, findings 4-5: on a run being trained (its run.lock held), `conveyor
+    inspect` failed on a checkpoint rotated away mid-read, and inspect / eval took the export of
+    an earlier finish as "the run's final policy". Now inspect takes the newest checkpoint (a
+    vanished one skipped, the list read again) and eval refuses, naming the holder."""
+    from conveyor.checkpoint import export_policy
+    from conveyor.eval import resolve_eval_model
+    from conveyor.runtime_files import RunLock, lock_holder
+
+    live = tmp_path / "live"
+    live.mkdir()
+    for name in ("config.json", "eval_after.json"):
+        shutil.copy(tiny_run / name, live / name)
+    for step in ("step_1", "step_2"):
+        shutil.copytree(tiny_run / "checkpoints" / "step_1", live / "checkpoints" / step)
+    base = load_policy(tiny_run)
+    export_policy(base.model, base.tokenizer, live / "export")
+    (live / "export" / "conveyor.json").write_text(json.dumps({"policy_version": 0}))
+    assert lock_holder(live) is None  # no lock file yet
+    real_load = torch.load
+
+    def rotating_load(path, *a, **k):  # the trainer's rotation removes step_2 as it is read
+        if "step_2" in str(path):
+            shutil.rmtree(live / "checkpoints" / "step_2")
+            raise FileNotFoundError(path)
+        return real_load(path, *a, **k)
+
+    with RunLock(live):
+        assert lock_holder(live)["pid"] == os.getpid()
+        with pytest.raises(ValueError, match=r"the run is being trained now by process \d+ .*its export "
+                                             r".*holds policy version 0 from before; wait for it to finish"):
+            resolve_eval_model(str(live))
+        monkeypatch.setattr(torch, "load", rotating_load)
+        notes: list[str] = []
+        p = load_policy(live, warn=notes.append)
+        monkeypatch.setattr(torch, "load", real_load)
+    assert "checkpoint step_1" in p.source and p.version == 1
+    assert any("being trained now" in n and "export (policy version 0) is from before" in n for n in notes)
+    assert any("step_2 was removed while being read" in n for n in notes)
+    assert lock_holder(live) is None
+    assert "export" in load_policy(live).source  # finished (no holder): the export again
+    assert resolve_eval_model(str(live))[0] == str(live / "export")

@@ -366,12 +366,29 @@ def resolve_eval_model(model: str, *, verb: str = "evaluating") -> tuple[str, st
     Raises:
         ValueError: a run directory without a usable export (one line naming ``RUN/export`` and
             why it is missing: ``run.export=false``, the run not finished, or an export without
-            its ``config.json``).
+            its ``config.json``), or a run being trained now (its ``run.lock`` held: any export
+            is from before; fresh-user trial 4, finding 5).
     """
     run_dir = Path(model)
     if not is_run_dir(run_dir):
         return model, None
     export = run_dir / "export"
+    from conveyor.runtime_files import lock_holder
+
+    holder = lock_holder(run_dir)
+    if holder is not None:  # a run being trained (a resume): its export, if any, is from before
+        who = f"process {holder['pid']}" if holder.get("pid") else "another process"
+        old = ""
+        if (export / "config.json").is_file():
+            try:
+                v = (load_export_settings(export) or {}).get("policy_version")
+            except ValueError:
+                v = None
+            old = (f"; its export {export} holds policy version {v} from before" if v is not None else
+                   f"; its export {export} is from before")
+        raise ValueError(f"--model {model}: the run is being trained now by {who} (it holds {run_dir / 'run.lock'})"
+                         f"{old}; wait for it to finish, or name the export itself (--model {export}) to use "
+                         "that older policy knowingly")
     if (export / "config.json").is_file():
         settings = load_export_settings(export) or {}
         if settings.get("interrupted"):

@@ -259,11 +259,13 @@ def _use_eager(model) -> None:
 def load_policy(run_dir: str | Path, *, warn: Callable[[str], None] | None = None) -> Policy:
     """The run's policy, read-only (nothing in the run directory is changed):
 
-    1. ``RUN/export`` (the final policy) when it holds a ``config.json``;
+    1. ``RUN/export`` (the final policy) when it holds a ``config.json``, unless the run is
+       being trained now (its ``run.lock`` held) and a newer checkpoint exists;
     2. else the newest committed checkpoint that passes
        :func:`conveyor.checkpoint.verify_checkpoint` (damaged ones are skipped with a note, not
        moved aside as a resume would): its ``trainer.pt`` model state loaded onto the run's
-       ``model.name`` (``tiny``: same ``model.seed``; a LoRA run's adapter merged onto it);
+       ``model.name`` (``tiny``: same ``model.seed``; a LoRA run's adapter merged onto it); one
+       that a live run's rotation removes while it is read is skipped and the list read again;
     3. else the run's ``model.name`` as configured, untrained (``Policy.trained`` False).
 
     The model is switched to ``eager`` attention (:func:`_use_eager`) and put in eval mode.
@@ -281,26 +283,46 @@ def load_policy(run_dir: str | Path, *, warn: Callable[[str], None] | None = Non
 
     from conveyor.checkpoint import checkpoint_version, complete_checkpoints, verify_checkpoint
     from conveyor.models import load_model
+    from conveyor.runtime_files import lock_holder
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
         raise FileNotFoundError(f"{run_dir} is not a conveyor run directory (no config.json)")
     settings, notes = run_settings(run_dir)
     export = run_dir / "export"
-    if (export / "config.json").is_file():
+    use_export = (export / "config.json").is_file()
+    holder = lock_holder(run_dir)
+    if holder is not None:  # being trained now (fresh-user trial 4, findings 4-5)
+        who = f"process {holder['pid']}" if holder.get("pid") else "another process"
+        newest = complete_checkpoints(run_dir)
+        newest_v = checkpoint_version(newest[-1]) if newest else None
+        if use_export:
+            export_v = _export_version(export, [])
+            if newest_v is not None and (export_v is None or newest_v > export_v):
+                use_export = False
+                notes.append(f"the run is being trained now by {who}: its export (policy version {export_v}) is "
+                             f"from before; inspecting its newest checkpoint instead")
+        else:
+            notes.append(f"the run is being trained now by {who}: inspecting its newest checkpoint")
+    if use_export:
         lm = load_model(str(export))
         version = _export_version(export, notes)
         shown = "policy version unknown" if version is None else f"policy version {version}"
         policy = Policy(lm.model, lm.tokenizer, f"the run's export ({export}, {shown})", True, notes, version)
     else:
         policy = None
-        for ckpt in reversed(complete_checkpoints(run_dir)):
+        for ckpt in _checkpoints_newest_first(run_dir, complete_checkpoints):
             reason = verify_checkpoint(ckpt)
             if reason is not None:
                 notes.append(f"checkpoint {ckpt.name} skipped: {reason}")
                 continue
+            try:
+                state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False, mmap=True)
+            except FileNotFoundError:  # rotated away by the training process since it was listed
+                notes.append(f"checkpoint {ckpt.name} was removed while being read (the run keeps only the "
+                             "newest ones)")
+                continue
             lm = load_model(settings["model"], seed=settings["model_seed"], init=settings["model_init"])
-            state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False, mmap=True)
             model_state = {k.removeprefix("_orig_mod."): v for k, v in state["model"].items()}
             model = lm.model
             if "lora" in state:  # a LoRA run's checkpoint holds the adapter: merged onto the base model
@@ -326,6 +348,24 @@ def load_policy(run_dir: str | Path, *, warn: Callable[[str], None] | None = Non
         for n in notes:
             warn(n)
     return policy
+
+
+def _checkpoints_newest_first(run_dir: Path, complete_checkpoints, tries: int = 5):
+    """The run's committed checkpoints, newest first; when one the caller skipped (removed by a
+    training process's rotation) was the newest, the list is read again, so a newer checkpoint
+    written meanwhile comes first (at most ``tries`` readings)."""
+    seen: set[Path] = set()
+    for _ in range(tries):
+        fresh = [c for c in reversed(complete_checkpoints(run_dir)) if c not in seen]
+        if not fresh:
+            return
+        for ckpt in fresh:
+            seen.add(ckpt)
+            yield ckpt
+            if not ckpt.exists():  # rotated away while we looked: read the list again
+                break
+        else:
+            return
 
 
 def _export_version(export: Path, notes: list[str]) -> int | None:

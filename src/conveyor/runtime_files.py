@@ -272,6 +272,29 @@ def _read_holder(fd: int) -> dict:
         return {}
 
 
+def lock_holder(run_dir: str | Path) -> dict | None:
+    """Whether a live process holds ``RUN_DIR/run.lock`` now (a run being trained): its
+    ``{"pid", "host", "started"}`` as the holder wrote them (``{}`` when unreadable), or None
+    when nobody holds it (or there is no lock file). Tests the lock by taking and dropping it
+    at once, without waiting; the file is never created or written."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return _read_holder(fd)
+            return None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def pid_alive(pid: int) -> bool:
     """True when a process with this PID exists (``kill(pid, 0)``; EPERM counts as alive)."""
     if pid <= 0:
