@@ -356,3 +356,62 @@ def test_cli_simulate_config_errors_are_formatted_like_train(tmp_path):
     assert "has an empty key" in fails(str(p), "=3")
     assert "the config file must come before the overrides (conveyor simulate other.yaml eta=4)" in fails(
         str(p), "eta=4", "other.yaml")
+
+
+def test_a_critic_warm_up_is_simulated_before_the_updates_and_calibrated(tmp_path):
+    """Fresh-user trial 4, finding 6: `conveyor simulate` of an SAO run left its critic warm-up
+    out (predicted 1.5 s for a run of 11 s, 40 warm-up steps). Warm-up steps now take a batch of
+    the initial policy's rollouts and their own step time each, publish nothing (no staleness),
+    and count as versions for admission; calibrate fits them from critic_warmup.jsonl."""
+    base = SimConfig(steps=3, batch_size=2, group_size=2, trainer=TrainerSim(step_base_s=1.0, s_per_token=0.0))
+    warm = base.model_copy(update={"critic_warmup_steps": 4, "trainer": TrainerSim(
+        step_base_s=1.0, s_per_token=0.0, warmup_step_base_s=10.0)})
+    a, b = simulate(base), simulate(warm)
+    assert b.extra["warmup_seconds"] >= 40.0 and "warmup_seconds" not in a.extra
+    assert b.wall_seconds == pytest.approx(b.extra["warmup_seconds"] + sum(b.step_seconds))
+    assert b.wall_seconds > a.wall_seconds + 35.0
+    assert sum(b.staleness.values()) == 3 * 4 and b.dropped_stale == 0  # only policy updates are trained
+    assert len(b.step_seconds) == 3 and max(b.step_seconds) < 10.0  # the rollouts ran during the warm-up
+    # calibration: warm-up rows of 2.0 + 0.01 s per token (tokens: response + prompts, as the updates')
+    _fake_run(tmp_path)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    conf.update(loss={"advantage": "gae"}, critic={"warmup_steps": 3})
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    rows = [{"step": -2 + i, "train/tokens": r, "time/critic_warmup_step_s": 2.0 + 0.01 * (r + 4 * 20)}
+            for i, r in enumerate((100, 140, 180))]
+    (tmp_path / "critic_warmup.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    c = calibrate(tmp_path)
+    assert c.critic_warmup_steps == 3
+    assert c.trainer.warmup_step_base_s == pytest.approx(2.0) and c.trainer.warmup_s_per_token == pytest.approx(0.01)
+    assert simulate(c).extra["warmup_seconds"] > 6.0
+    (tmp_path / "critic_warmup.jsonl").unlink()  # no timed row: said, at no cost
+    notes: list[str] = []
+    assert calibrate(tmp_path, notes).trainer.warmup_step_base_s == 0.0
+    assert any("critic.warmup_steps=3 but" in n and "simulated at no cost" in n for n in notes)
+
+
+def test_calibrate_says_why_engine_stats_are_missing(tmp_path):
+    """Fresh-user trial 4, finding 8: a killed or still-running run was called "not a run
+    directory written by conveyor train"; now the message says which, and what to do."""
+    from conveyor.runtime_files import RunLock
+
+    _fake_run(tmp_path)
+    (tmp_path / "engine_stats.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"ended without writing it \(killed, e\.g\. by SIGKILL"):
+        calibrate(tmp_path)
+    with RunLock(tmp_path), pytest.raises(FileNotFoundError, match=r"the run is being trained now by process \d+"):
+        calibrate(tmp_path)
+
+
+def test_cli_simulate_says_the_wall_includes_the_warm_up(tmp_path):
+    from typer.testing import CliRunner
+
+    from conveyor.cli import app
+
+    p = tmp_path / "sim.yaml"
+    p.write_text("steps: 2\nbatch_size: 1\ngroup_size: 2\ncritic_warmup_steps: 3\ntrainer:\n  warmup_step_base_s: 5\n")
+    r = CliRunner().invoke(app, ["simulate", str(p), "--modes", "sync,async", "--output", str(tmp_path / "o.json")])
+    assert r.exit_code == 0, r.output
+    assert "wall s includes the critic warm-up (3 critic-only steps first" in " ".join(r.output.split())
+    rows = json.loads((tmp_path / "o.json").read_text())
+    assert all(row["warmup_seconds"] >= 15.0 and row["critic_warmup_steps"] == 3 for row in rows)

@@ -613,13 +613,19 @@ def simulate_cmd(
             if m == "sync":
                 sync_wall = r["wall_seconds"]
             speed = f"{sync_wall / r['wall_seconds']:.2f}x" if sync_wall else "-"
-            results.append({"variant": label, "mode": m, "eta": c.effective_eta, **r})
+            results.append({"variant": label, "mode": m, "eta": c.effective_eta,
+                            "critic_warmup_steps": c.critic_warmup_steps, **r})
             table.add_row(label, m, str(c.effective_eta), f"{r['wall_seconds']:.1f}", f"{r['mean_step_seconds']:.2f}", speed,
                           f"{r['trainer_idle']:.2f}", f"{r['rollout_idle']:.2f}",
                           f"{r['staleness_mean']:.2f}/{r['staleness_max']}", f"{r['trajectories_per_s']:.2f}")
     out.print(table)
     out.print("T idle / R idle: trainer / rollout idle fractions (0-1); stale: staleness mean/max (versions); "
               "vs sync: speed-up over the sync row of the same variant", soft_wrap=True)
+    warm = [r for r in results if r["warmup_seconds"] > 0]
+    if warm:
+        out.print(f"wall s includes the critic warm-up ({warm[0]['critic_warmup_steps']} critic-only steps first: "
+                  f"{warm[0]['warmup_seconds']:.1f} s of the first such row); s/step is the policy updates'",
+                  soft_wrap=True)
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(results, indent=2))

@@ -150,6 +150,9 @@ class TrainerSim(_Strict):
     step_base_s: float = Field(0.0, ge=0)
     s_per_token: float = Field(0.01, ge=0)
     sync_mode_speedup: float = Field(1.0, gt=0)
+    # a critic warm-up step (SimConfig.critic_warmup_steps): the same form, its own constants
+    warmup_step_base_s: float = Field(0.0, ge=0)
+    warmup_s_per_token: float = Field(0.0, ge=0)
 
 
 class SyncSim(_Strict):
@@ -171,11 +174,16 @@ class ProximalSim(_Strict):
 
 class SimConfig(_Strict):
     """A simulated pipeline. ``mode`` is a shorthand: ``sync`` sets eta 0, ``one_step`` eta 1,
-    ``async`` keeps ``eta`` (``None`` = unbounded)."""
+    ``async`` keeps ``eta`` (``None`` = unbounded). ``critic_warmup_steps`` critic-only steps
+    (SAO's warm-up, ``critic.warmup_steps``) come before the ``steps`` policy updates: each takes
+    a batch of the initial policy's rollouts and ``trainer.warmup_step_base_s +
+    trainer.warmup_s_per_token * tokens / devices`` seconds, publishes no weights (nothing goes
+    stale) and counts as a version for the admission rule, as conveyor's controller does."""
 
     mode: Literal["sync", "one_step", "async"] = "async"
     eta: int | None = Field(2, ge=0)
     steps: int = Field(10, ge=1)
+    critic_warmup_steps: int = Field(0, ge=0)
     batch_size: int = Field(8, ge=1)
     group_size: int = Field(4, ge=1)
     max_concurrent: int = Field(64, ge=1)
@@ -196,8 +204,9 @@ class SimResult:
     """What :func:`simulate` predicts.
 
     Attributes:
-        wall_seconds: Simulated time until the last update's weights are published (s).
-        step_seconds: Wall-clock of each update (s), from the previous publication.
+        wall_seconds: Simulated time until the last update's weights are published (s), the
+            critic warm-up included (``extra["warmup_seconds"]``: its share).
+        step_seconds: Wall-clock of each policy update (s), from the previous one's end.
         trainer_busy / rollout_busy: Busy fractions of ``wall_seconds`` (rollout: mean over
             workers of time spent in prefill / decode), in [0, 1] by construction
             (:class:`_BusyClock`: work still running when the last update is published counts
@@ -237,6 +246,7 @@ class SimResult:
             "dropped_stale": self.dropped_stale,
             "trajectories_per_s": self.trajectories_per_s,
             "tokens_per_s": self.tokens_per_s,
+            "warmup_seconds": self.extra.get("warmup_seconds", 0.0),  # of wall_seconds: the critic warm-up
         }
 
 
@@ -401,6 +411,8 @@ class _Sim:
         self.eta = cfg.effective_eta
         self.B = cfg.batch_size * cfg.group_size
         self.version = 0
+        self.warmup_done = 0  # critic warm-up steps taken: versions for the admission rule only
+        self.warmup_seconds = 0.0
         self.running = 0
         self.accepted = 0
         self.episodes = 0
@@ -437,7 +449,7 @@ class _Sim:
         free = self.cfg.max_concurrent - self.running
         if self.eta is None:
             return free
-        return min(free, (self.eta + self.version + 1) * self.B - (self.accepted + self.running))
+        return min(free, (self.eta + self.version + self.warmup_done + 1) * self.B - (self.accepted + self.running))
 
     def controller(self):
         G = self.cfg.group_size
@@ -497,6 +509,19 @@ class _Sim:
     def trainer(self):
         cfg = self.cfg
         last = 0.0
+        for _ in range(cfg.critic_warmup_steps):  # critic-only steps on the initial policy's rollouts
+            while len(self.buffer) < self.B:
+                self.buffer_event = self.env.event()
+                yield self.buffer_event
+            batch, self.buffer = self.buffer[: self.B], self.buffer[self.B :]
+            tokens = sum(t.tokens for t in batch)
+            k = self.trainer_busy.begin()
+            yield self.env.timeout(cfg.trainer.warmup_step_base_s
+                                   + cfg.trainer.warmup_s_per_token * tokens / cfg.trainer.devices)
+            self.trainer_busy.end(k)
+            self.warmup_done += 1
+            self._notify_controller()
+        self.warmup_seconds = last = self.env.now
         for _ in range(cfg.steps):
             while True:
                 if self.eta is not None:
@@ -557,6 +582,7 @@ class _Sim:
             trajectories_per_s=n / wall if wall else 0.0,
             tokens_per_s=self.trained_tokens / wall if wall else 0.0,
             proximal_busy=self.proximal_busy.fraction(wall, self.cfg.proximal.devices) if self.proximal else 0.0,
+            extra={"warmup_seconds": self.warmup_seconds} if self.cfg.critic_warmup_steps else {},
         )
 
 
@@ -633,7 +659,9 @@ def calibrate(run_dir: str | Path, notes: list[str] | None = None) -> SimConfig:
     and ``metrics.jsonl`` (trainer seconds vs tokens per update, fitted to ``base + s_per_token *
     tokens``, the first update excluded as warm-up when there are more than two, plus the median
     bookkeeping seconds between updates; weight-sync seconds, median; the staleness bound in
-    force, :func:`trace_eta`, else ``config.json``'s ``async.eta``).
+    force, :func:`trace_eta`, else ``config.json``'s ``async.eta``) and, for a run with a critic
+    warm-up (``critic.warmup_steps``), ``critic_warmup.jsonl`` (critic-only step seconds vs
+    tokens, fitted the same way: ``critic_warmup_steps`` and ``trainer.warmup_*``).
 
     Args:
         run_dir: The run directory.
@@ -648,6 +676,18 @@ def calibrate(run_dir: str | Path, notes: list[str] | None = None) -> SimConfig:
     paths = {n: run_dir / n for n in ("config.json", "engine_stats.json", "trained.jsonl", "metrics.jsonl")}
     for n, p in paths.items():
         if not p.is_file():
+            if n == "engine_stats.json" and paths["config.json"].is_file():  # a run whose process has not ended
+                from conveyor.runtime_files import lock_holder
+
+                holder = lock_holder(run_dir)
+                if holder is not None:
+                    who = f"process {holder['pid']}" if holder.get("pid") else "another process"
+                    raise FileNotFoundError(f"{p}: missing: the run is being trained now by {who}, and a training "
+                                            "process writes it when it ends; calibrate once the run has finished "
+                                            "or stopped (Ctrl-C)")
+                raise FileNotFoundError(f"{p}: missing: the run's last process ended without writing it (killed, "
+                                        f"e.g. by SIGKILL or out of memory); `conveyor train --resume {run_dir}` "
+                                        "and let it end (or stop it with Ctrl-C), then calibrate")
             raise FileNotFoundError(f"{p}: missing; calibrate needs a run directory written by `conveyor train` ({n})")
     conf = json.loads(paths["config.json"].read_text())
     eng = json.loads(paths["engine_stats.json"].read_text())
@@ -699,6 +739,19 @@ def calibrate(run_dir: str | Path, notes: list[str] | None = None) -> SimConfig:
         env = Dist(kind="empirical", values=env_waits)
     else:
         env = Dist(kind="constant", value=0.0)
+    warmup_steps, w_base, w_tok = 0, 0.0, 0.0
+    warm_path = run_dir / "critic_warmup.jsonl"
+    if conf.get("loss", {}).get("advantage") == "gae" and conf.get("critic", {}).get("warmup_steps", 0) > 0:
+        warmup_steps = int(conf["critic"]["warmup_steps"])
+        warm = [m for m in (read_jsonl(warm_path, by_step=True) if warm_path.is_file() else [])
+                if "time/critic_warmup_step_s" in m and "train/tokens" in m]
+        if warm:
+            w_base, w_tok = _fit_line([m["train/tokens"] + B * mean_prompt for m in warm],
+                                      [m["time/critic_warmup_step_s"] for m in warm])
+            w_base += statistics.median(books) if books else 0.0
+        elif notes is not None:
+            notes.append(f"critic.warmup_steps={warmup_steps} but {warm_path} holds no timed warm-up step: the "
+                         "warm-up is simulated at no cost")
     eta, eta_note = trace_eta(steps, conf["async"]["eta"])
     if notes is not None and eta_note is not None:
         notes.append(eta_note)
@@ -706,6 +759,7 @@ def calibrate(run_dir: str | Path, notes: list[str] | None = None) -> SimConfig:
         mode="async",
         eta=eta,
         steps=len(steps),
+        critic_warmup_steps=warmup_steps,
         batch_size=conf["trainer"]["batch_size"],
         group_size=conf["rollout"]["group_size"],
         max_concurrent=max(conf["rollout"]["max_concurrent"], conf["rollout"]["group_size"]),
@@ -716,7 +770,8 @@ def calibrate(run_dir: str | Path, notes: list[str] | None = None) -> SimConfig:
             prefill_s_per_token=prefill, prompt_tokens=Dist(kind="empirical", values=prompts, integer=True),
             response_tokens=Dist(kind="empirical", values=responses, integer=True), env_latency_s=env,
         ),
-        trainer=TrainerSim(step_base_s=t_base, s_per_token=t_tok),
+        trainer=TrainerSim(step_base_s=t_base, s_per_token=t_tok, warmup_step_base_s=w_base,
+                           warmup_s_per_token=w_tok),
         sync=SyncSim(seconds=sync_s),
     )
 
