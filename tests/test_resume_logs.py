@@ -403,3 +403,30 @@ def test_a_console_reader_that_goes_away_does_not_stop_the_run(tmp_path):
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == list(range(1, 7))
     assert json.loads((run / "summary.json").read_text())["interrupted"] is False
     assert "the console's reader went away (broken pipe)" in (run / "train.log").read_text()
+
+
+def test_training_a_finished_run_longer_from_an_older_checkpoint_keeps_its_export(tmp_path):
+    """Fresh-user trial 4, finding 3: run.final_checkpoint=none with a periodic checkpoint at
+    version 2 of 3: the suggested `--resume ... trainer.total_steps=N` trained version 3 again
+    without a word and replaced the finished export. Now the hint and the resume say so, and the
+    export of version 3 is moved to export.superseded (nothing computed is lost)."""
+    from rich.console import Console
+
+    run = tmp_path / "r"
+    run_training(load_config(None, [*[x for x in FAST if x != "run.export=false"], "trainer.total_steps=3",
+                                    "data.heldout=", "run.checkpoint_every=2", "run.final_checkpoint=none",
+                                    f"run.dir={run}"]))
+    assert json.loads((run / "export" / "conveyor.json").read_text())["policy_version"] == 3
+    console = Console(record=True, width=300)
+    run_training(load_run_config(run, []), resume_dir=run, console=console)  # finished: the hint
+    hint = console.export_text()
+    assert ("note: the run finished at version 3 but kept no checkpoint of it (run.final_checkpoint=none): a resume "
+            "continues from step_2, so version 3 is trained again, on new rollouts; its export (policy version "
+            "3) is moved to export.superseded") in hint
+    console = Console(record=True, width=300)
+    res = run_training(load_run_config(run, ["trainer.total_steps=4"]), resume_dir=run, console=console)
+    assert res.steps == 4 and "version 3 is trained again" in console.export_text()
+    assert json.loads((run / "export.superseded" / "conveyor.json").read_text())["policy_version"] == 3
+    assert json.loads((run / "export" / "conveyor.json").read_text())["policy_version"] == 4
+    resume = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "resume"]
+    assert "export (policy version 3) -> export.superseded" in resume[-1]["superseded_files"]

@@ -250,10 +250,12 @@ def finished_result(run_dir: Path, cfg: TrainConfig, console) -> TrainResult | N
         or s["steps"] < cfg.trainer.total_steps
     ):
         return None
+    again = unsaved_final_versions(run_dir, latest_checkpoint(run_dir))
     console.print(
         f"{run_dir} finished at version {s['steps']} (trainer.total_steps="
         f"{cfg.trainer.total_steps}): nothing to do, nothing changed. To train longer: "
         f"conveyor train --resume {run_dir} trainer.total_steps=N (N > {s['steps']})"
+        + (f"; note: {again}" if again else ""), soft_wrap=True
     )
     return TrainResult(
         run_dir,
@@ -289,8 +291,53 @@ def prepare_resume(run_dir: Path, version: int) -> dict:
                          {"resume_from_version": version, "moved_to": dest.name, "time": time.time()})
         after.rename(dest)
         moved.append(f"eval_after.json -> {dest.name}")
+    export = run_dir / "export"
+    exported = _export_policy_version(export)
+    if exported is not None and exported > version:  # a policy the resume trains again: never overwritten
+        n = 1
+        dest = run_dir / "export.superseded"
+        while dest.exists():
+            n += 1
+            dest = run_dir / f"export.superseded.{n}"
+        export.rename(dest)
+        moved.append(f"export (policy version {exported}) -> {dest.name}")
     (run_dir / "summary.json").unlink(missing_ok=True)
     return {"cleaned": cleaned, "superseded_rows": superseded, "superseded_files": moved}
+
+
+def _export_policy_version(export: Path) -> int | None:
+    """The ``policy_version`` of a run's export (its ``conveyor.json``), or None (no export, or
+    a version it does not record)."""
+    try:
+        v = json.loads((export / "conveyor.json").read_text()).get("policy_version")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def unsaved_final_versions(run_dir: Path, ckpt: Path | None) -> str | None:
+    """For a finished run whose newest checkpoint ``ckpt`` is older than its last version
+    (``run.final_checkpoint=none`` with a periodic checkpoint): what a resume from it trains
+    again, as a sentence; None otherwise (fresh-user trial 4, finding 3: the resume re-trained
+    the last versions without a word and its export replaced the finished one)."""
+    if ckpt is None:
+        return None
+    try:
+        s = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(s, dict) or s.get("interrupted") or not isinstance(s.get("steps"), int):
+        return None
+    have = checkpoint_version(ckpt)
+    if have >= s["steps"]:
+        return None
+    what = f"version {s['steps']} is" if have + 1 == s["steps"] else f"versions {have + 1}-{s['steps']} are"
+    kept = ("its export (policy version "
+            f"{_export_policy_version(run_dir / 'export')}) is moved to export.superseded"
+            if _export_policy_version(run_dir / "export") is not None else "")
+    return (f"the run finished at version {s['steps']} but kept no checkpoint of it (run.final_checkpoint=none): "
+            f"a resume continues from {ckpt.name}, so {what} trained again, on new rollouts"
+            + (f"; {kept}" if kept else ""))
 
 
 def restart_eval_before(run_dir: Path, cfg: TrainConfig) -> str:

@@ -54,6 +54,7 @@ from conveyor.rundir import (
     prepare_resume,
     recorded_bf16,
     restart_eval_before,
+    unsaved_final_versions,
 )
 from conveyor.runlog import MetricsLogger, next_segment, plot_report, require_wandb, segment_summary
 from conveyor.runtime.inline import (
@@ -188,6 +189,9 @@ def _start_point(cfg: TrainConfig, resume_dir, console, ctx: RunContext) -> _Sta
         console.print(f"[bold yellow]warning:[/] {escape(m)}", emoji=False)
 
     ckpt = find_resume_checkpoint(run_dir, warn=warn)
+    again = unsaved_final_versions(run_dir, ckpt)
+    if again is not None:  # a finished run trained longer from an older checkpoint: said, nothing lost
+        warn(again)
     restart = False
     if ckpt is None:
         if not (run_dir / "config.json").is_file():
