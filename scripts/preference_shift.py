@@ -8,7 +8,8 @@ prints for every switch:
 - the **lag**: policy versions from the switch version ``V`` until the new style's rate exceeds
   ``--new-threshold`` (0.5): the first logged step ``s > V`` with ``rate > 0.5``, as ``s - V``;
 - the **suppression**: versions from ``V`` until the old style's rate falls below
-  ``--old-threshold`` (0.1), the same way.
+  ``--old-threshold`` (0.1), the same way (none when it was below already at ``V``: nothing to
+  suppress, said so).
 
 Both are searched up to the next switch; "not reached" when they never happen before it. The
 metrics row of step ``s`` describes the batch trained at update ``s`` (responses sampled by
@@ -57,12 +58,21 @@ class Adaptation:
         suppression: Versions from the switch until the old style's rate fell below its
             threshold, or None.
         last_step: The last step searched (the next switch's version, or the last logged step).
+        old_rate_at_switch: The old style's rate at the last logged step ``<= V`` (smoothed as
+            the series), None without one. Below the old threshold already, there was nothing
+            to suppress: :attr:`suppression` is then None and the printout says so (fresh-user
+            trial 4: "suppressed after 1 version" for a style that was never produced).
     """
 
     switch: Switch
     lag: int | None
     suppression: int | None
     last_step: int
+    old_rate_at_switch: float | None = None
+
+    def nothing_to_suppress(self, old_threshold: float) -> bool:
+        """The old style's rate was already below ``old_threshold`` at the switch."""
+        return self.old_rate_at_switch is not None and self.old_rate_at_switch < old_threshold
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -130,8 +140,10 @@ def adaptation(rows: list[dict], switch: Switch, until: int | None = None, *, ne
     def first(series, ok) -> int | None:
         return next((s - switch.version for s, v in series if switch.version < s <= last and ok(v)), None)
 
-    return Adaptation(switch, first(new, lambda v: v > new_threshold), first(old, lambda v: v < old_threshold),
-                      last)
+    at_switch = next((v for s, v in reversed(old) if s <= switch.version), None)
+    held = at_switch is None or at_switch >= old_threshold  # else there was nothing to suppress
+    return Adaptation(switch, first(new, lambda v: v > new_threshold),
+                      first(old, lambda v: v < old_threshold) if held else None, last, at_switch)
 
 
 def analyse(run: Path, *, new_threshold: float = 0.5, old_threshold: float = 0.1,
@@ -255,9 +267,13 @@ def main(argv: list[str] | None = None) -> int:
         print("no switch within the logged steps")
     for ad in adaptations:
         sw = ad.switch
+        if ad.nothing_to_suppress(a.old_threshold):
+            old = (f"{sw.old} was below {a.old_threshold} already at the switch (rate {ad.old_rate_at_switch:.2f}): "
+                   "nothing to suppress")
+        else:
+            old = f"{sw.old} suppressed after {_fmt(ad.suppression, ad.last_step)} (rate < {a.old_threshold})"
         print(f"switch at v{sw.version}: {sw.old} -> {sw.new}: lag {_fmt(ad.lag, ad.last_step)} "
-              f"({sw.new} rate > {a.new_threshold}); {sw.old} suppressed after {_fmt(ad.suppression, ad.last_step)} "
-              f"(rate < {a.old_threshold})")
+              f"({sw.new} rate > {a.new_threshold}); {old}")
     out = a.out or a.run / "preference_shift.png"
     plot(rows, [ad.switch for ad in adaptations], out, f"{a.run.name}: {what}", a.smooth)
     print(f"curves: {out}")

@@ -249,8 +249,13 @@ def test_more_critics_than_responses_per_prompt_is_refused():
     from pathlib import Path
 
     configs = Path(__file__).resolve().parents[1] / "configs"
-    with pytest.raises(ValueError, match=r"critic.num_critics=2 with rollout.group_size=1: .*critics 1..1 would never train"):
+    with pytest.raises(ValueError, match=r"critic.num_critics=2 with rollout.group_size=1: .*critic 1 would never train"):
         load_config(str(configs / "sao.yaml"), ["critic.num_critics=2"])
     with pytest.raises(ValueError, match="critic.num_critics=3 with rollout.group_size=2"):
         load_config(str(configs / "asyppo.yaml"), ["rollout.group_size=2", "critic.num_critics=3"])
+    with pytest.raises(ValueError, match=r"critics 2\.\.3 would never train"):
+        load_config(str(configs / "asyppo.yaml"), ["rollout.group_size=2", "critic.num_critics=4"])
+    # fresh-user trial 4, finding 9: masking every advantage (k = 1) can never learn
+    with pytest.raises(ValueError, match=r"critic.mask_low_frac"):
+        load_config(str(configs / "asyppo.yaml"), ["critic.mask_low_frac=1.0"])
     assert load_config(str(configs / "asyppo.yaml"), ["rollout.group_size=2"]).critic.num_critics == 2

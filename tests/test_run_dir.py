@@ -248,8 +248,10 @@ def test_changed_train_set_with_default_heldout_warns():
 # ---------------------------------------------------------------------- lock, signals
 def test_run_lock_refuses_a_second_holder_and_names_the_pid(tmp_path):
     with RunLock(tmp_path):
-        with pytest.raises(RunDirInUseError, match=f"in use by process {os.getpid()}"):
+        with pytest.raises(RunDirInUseError, match=f"in use by process {os.getpid()}") as e:
             RunLock(tmp_path).acquire()
+    # the message alone on the console, not "[Errno 16] ..." (fresh-user trial 4, finding 11)
+    assert str(e.value).startswith(f"run directory {tmp_path} is in use") and e.value.errno == errno.EBUSY
     with RunLock(tmp_path) as lock:  # released: can be taken again
         assert lock.held
 

@@ -360,6 +360,11 @@ def test_lag_and_suppression_hand_computed(tmp_path, capsys):
                                                                                             "classical")]
     assert ps.schedule_switches(["cute", "chuunibyou"], 40, 39) == []
     assert ps.switches_from_metrics(rows) == [sw]  # style/target 0 -> 1 at step 5
+    # fresh-user trial 4: an old style never produced (0 at the switch) was "suppressed after 1"
+    never = _rows(cute=[0.0] * 10, chuuni=[0.0, 0.0, 0.0, 0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0])
+    ad0 = ps.adaptation(never, sw)
+    assert ad0.suppression is None and ad0.old_rate_at_switch == 0.0 and ad0.nothing_to_suppress(0.1)
+    assert ad.old_rate_at_switch == 0.9 and not ad.nothing_to_suppress(0.1)
 
     run = tmp_path / "run"
     run.mkdir()
@@ -371,6 +376,9 @@ def test_lag_and_suppression_hand_computed(tmp_path, capsys):
     assert "switch at v4: cute -> chuunibyou: lag 4 versions" in out and "suppressed after 4 versions" in out
     assert (run / "preference_shift.png").stat().st_size > 1000
     assert json.loads((run / "shift.json").read_text())["switches"][0]["lag"] == 4
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in never))
+    assert ps.main([str(run)]) == 0
+    assert "cute was below 0.1 already at the switch (rate 0.00): nothing to suppress" in capsys.readouterr().out
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.0}) + "\n")
     with pytest.raises(SystemExit, match="not a preference-shift run"):
         ps.main([str(run)])

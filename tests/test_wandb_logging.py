@@ -288,3 +288,16 @@ def test_a_tiny_run_writes_an_offline_wandb_run_and_its_resume_keeps_the_id(tmp_
     # W&B's own step continues where the first process stopped
     n = len(first["history"])
     assert [h["_step"] for h in second["history"]] == list(range(n, n + len(second["history"])))
+
+
+def test_a_wandb_dir_that_is_a_file_is_refused_when_the_config_loads(tmp_path):
+    """Fresh-user trial 4, finding 9: it failed only after the start (one warning; the run went
+    on without W&B). A directory that does not exist yet is fine (W&B makes it)."""
+    from conveyor.config import ConfigError, load_config
+
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match=rf"log.wandb_dir={f} is a file, not a directory"):
+        load_config(None, ["log.wandb=true", f"log.wandb_dir={f}"])
+    assert load_config(None, ["log.wandb=true", f"log.wandb_dir={tmp_path / 'new'}"]).log.wandb_dir
+    assert load_config(None, [f"log.wandb_dir={f}"]).log.wandb is False  # W&B off: (warned as ignored)

@@ -346,9 +346,10 @@ class CriticConfig(_Strict):
     num_critics: int = Field(default=1, ge=1, description="N critics (AsyPPO's mini-critic ensemble, MISSION.md "
                                                           "section 4): response j of a prompt trains critic j mod N; "
                                                           "the value is their mean")
-    mask_low_frac: float = Field(default=0.1, ge=0, le=1, description="with N >= 2: the share of action tokens with "
+    mask_low_frac: float = Field(default=0.1, ge=0, lt=1, description="with N >= 2: the share of action tokens with "
                                                                       "the lowest inter-critic std whose advantage is "
-                                                                      "set to 0 (AsyPPO k)")
+                                                                      "set to 0 (AsyPPO k; < 1: at 1 every advantage "
+                                                                      "would be 0 and nothing would learn)")
     mask_high_frac: float = Field(default=0.2, ge=0, le=1, description="with N >= 2: the share with the highest std "
                                                                        "removed from the entropy bonus (AsyPPO h)")
     lora_rank: int = Field(default=0, ge=0, description="r > 0: LoRA adapters of rank r on the critic backbone's "
@@ -689,6 +690,16 @@ class LogConfig(_Strict):
                     "it later with `wandb sync RUN_DIR/wandb/offline-run-*`; online needs `wandb login`")
     wandb_dir: str | None = Field(default=None, description="where W&B writes its files (default: the run directory)")
 
+    @model_validator(mode="after")
+    def _wandb_dir_is_a_directory(self):
+        # fresh-user trial 4, finding 9: a file here failed only after the start (one warning,
+        # the run went on without W&B); a directory that does not exist yet is made by W&B
+        if self.wandb and self.wandb_dir and Path(self.wandb_dir).expanduser().exists() \
+                and not Path(self.wandb_dir).expanduser().is_dir():
+            raise ValueError(f"log.wandb_dir={self.wandb_dir} is a file, not a directory: W&B writes its run "
+                             "files there (leave it unset for the run directory)")
+        return self
+
 
 class TrainConfig(_Strict):
     """Everything a ``conveyor train`` run needs."""
@@ -746,10 +757,11 @@ class TrainConfig(_Strict):
         if self.loss.advantage == "gae" and self.critic.num_critics > self.rollout.group_size:
             # response j of a prompt trains critic j mod N (trainer/ensemble.py): critics past the
             # group size would never train, yet would sit in the ensemble's mean and masks
-            raise ValueError(f"critic.num_critics={self.critic.num_critics} with rollout.group_size="
-                             f"{self.rollout.group_size}: response j of a prompt trains critic j mod N, so "
-                             f"critics {self.rollout.group_size}..{self.critic.num_critics - 1} would never train; "
-                             f"set critic.num_critics <= rollout.group_size")
+            g, n = self.rollout.group_size, self.critic.num_critics
+            idle = f"critic {g}" if n - 1 == g else f"critics {g}..{n - 1}"
+            raise ValueError(f"critic.num_critics={n} with rollout.group_size={g}: response j of a prompt trains "
+                             f"critic j mod N, so {idle} would never train; set critic.num_critics <= "
+                             "rollout.group_size")
         if self.rollout.filter_all_equal and self.rollout.group_size == 1:
             raise ValueError("rollout.filter_all_equal=true with rollout.group_size=1: a group of one response is "
                              "always all-equal, so every trajectory would be filtered; set "

@@ -38,7 +38,11 @@ _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 
 class RunFileError(OSError):
     """A run-directory file could not be created or written; the message names the path and the
-    remedy. Subclasses: :class:`RunDirInUseError`, :class:`DiskFullError`."""
+    remedy. Subclasses: :class:`RunDirInUseError`, :class:`DiskFullError`. ``str()`` is the
+    message alone (``errno`` stays an attribute; not ``[Errno 16] ...`` on the console)."""
+
+    def __str__(self) -> str:
+        return self.strerror if self.strerror else super().__str__()
 
 
 class RunDirInUseError(RunFileError):
