@@ -264,13 +264,15 @@ def test_interrupts_policy():
     it = Interrupts(say=said.append)
     stop = it.begin_graceful()
     it._handle(signal.SIGINT, None)  # first in the loop: finish the step
-    assert stop.is_set() and it.requested
-    with pytest.raises(StopNow):
+    assert stop.is_set() and it.requested and it.first_signum == signal.SIGINT
+    with pytest.raises(StopNow) as e:
         it._handle(signal.SIGTERM, None)  # second: now
+    assert e.value.signum == signal.SIGTERM and it.first_signum == signal.SIGINT
 
 
 def test_second_signal_stops_now_without_a_traceback(tmp_path):
-    """A real process: SIGINT (finish the step), then SIGTERM (now): exit 130, one report line
+    """A real process: SIGINT (finish the step), then SIGTERM (now): exit 143 (128 + SIGTERM,
+    the signal that stopped it now; fresh-user trial 4: every stop exited 130), one report line
     saying what was saved, no traceback; the lock is released (a resume can start)."""
     run = tmp_path / "r"
     log = tmp_path / "out.log"
@@ -305,7 +307,7 @@ def test_second_signal_stops_now_without_a_traceback(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
     out = log.read_text()
-    assert rc == 130, out[-3000:]
+    assert rc == 128 + signal.SIGTERM, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     flat = " ".join(out.split())
     assert "stopped now (during" in flat and f"conveyor train --resume {run}" in flat

@@ -376,7 +376,7 @@ def train_cmd(
         _fail(str(e))
     except StopNow as e:  # a second Ctrl-C: threads and workers are stopped; say what was saved
         console.print(e.report, style="yellow", soft_wrap=True, markup=False, emoji=False)
-        sys.exit(130)
+        sys.exit(128 + int(e.signum or 2))  # the shell's convention: 130 SIGINT, 143 SIGTERM
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]")
         sys.exit(130)
@@ -408,7 +408,9 @@ def train_cmd(
     if res.interrupted:
         by = f" by {res.stop_reason}'s stop action" if (res.stop_reason or "").startswith("monitor rule") else ""
         console.print(f"stopped early{by}; continue with: conveyor train --resume {res.run_dir}")
-        sys.exit(3 if by else 130)  # 130: the shell's code for SIGINT; a monitor stop is not one
+        # the shell's convention for a signal: 128 + its number (130 SIGINT, 143 SIGTERM); a
+        # monitor stop is not a signal: 3
+        sys.exit(3 if by else 128 + (res.signal or 2))
 
 
 @app.command("datasets")

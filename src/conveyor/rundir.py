@@ -64,6 +64,8 @@ class TrainResult:
             SIGTERM or a monitor rule's ``stop`` action.
         trainer_busy / engine_busy: Busy fractions of the training-loop wall-clock.
         stop_reason: ``"signal"``, ``"monitor rule R"``, or None (not stopped early).
+        signal: The number of the signal that stopped it (``signal.SIGINT`` / ``SIGTERM``;
+            ``conveyor train`` exits with ``128 + signal``, the shell's convention), else None.
     """
 
     run_dir: Path
@@ -75,6 +77,7 @@ class TrainResult:
     trainer_busy: float
     engine_busy: float
     stop_reason: str | None = None
+    signal: int | None = None
 
 
 # keys a resumed run must keep (the checkpoint was made with them)

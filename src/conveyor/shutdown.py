@@ -82,6 +82,7 @@ class Interrupts:
         self.graceful = False
         self._stopping_now = False
         self.received = 0  # signals handled so far (the console messages count them)
+        self.first_signum: int | None = None  # the signal that asked the run to stop (exit code 128 + it)
         self._old: dict[int, object] = {}
 
     def install(self) -> None:
@@ -113,13 +114,15 @@ class Interrupts:
                 return  # one SIGTERM sent to the process and to its group (e.g. by `timeout`)
             self._last_sigterm = now
         self.received += 1
+        if self.first_signum is None:
+            self.first_signum = int(signum)
         name, nth = _signal_name(signum), _ordinal(self.received)
         if self._stopping_now:
             sys.stderr.write(
                 f"\nstopping at once: {name} ({nth} signal) arrived while the process was already "
                 "stopping; nothing more is written\n"
             )
-            os._exit(130)
+            os._exit(128 + int(signum))
         if self.graceful and not self.requested:
             self.requested = True
             self.stop.set()

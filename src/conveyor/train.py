@@ -538,7 +538,8 @@ def _finish(cfg: TrainConfig, job: _Job, parts: RolloutSide, loop: LoopResult, l
         log.exception("report plot failed")
     logger.report(report, summary)  # log.wandb: the report image and the summary to W&B
     return TrainResult(run_dir, trainer.version, before, after, summary["wall_seconds"],
-                       loop.interrupted, summary["trainer_busy"], summary["engine_busy"], loop.stop_reason)
+                       loop.interrupted, summary["trainer_busy"], summary["engine_busy"], loop.stop_reason,
+                       ctx.interrupts.first_signum if loop.stop_reason == "signal" else None)
 
 
 def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> TrainConfig:
