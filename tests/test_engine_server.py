@@ -672,11 +672,18 @@ def test_serve_command_is_wired(monkeypatch):
     assert res.exit_code == 2 and "--port" in res.output
 
 
-def test_serve_refuses_a_model_with_non_finite_weights(tmp_path):
+def test_serve_refuses_a_model_with_non_finite_weights(tmp_path, monkeypatch):
     """conveyor serve of weights holding NaN stops before binding, naming them (every answer
     would be sampled from NaN logits)."""
+    import uvicorn
+
     from conveyor.models import ModelLoadError
     from conveyor.rollout.engine.server import serve
+
+    def served(*a, **k):  # a missing check fails here instead of serving forever
+        raise AssertionError("the model was served")
+
+    monkeypatch.setattr(uvicorn, "run", served)
 
     lm = load_model("tiny", seed=0)
     with torch.no_grad():
@@ -684,7 +691,7 @@ def test_serve_refuses_a_model_with_non_finite_weights(tmp_path):
     lm.model.save_pretrained(tmp_path / "m")
     lm.tokenizer.save_pretrained(tmp_path / "m")
     with pytest.raises(ModelLoadError, match=r"1 weights hold NaN or infinite values \(model.norm.weight\)"):
-        serve(str(tmp_path / "m"), port=1)  # (port 1 is never bound: refused first)
+        serve(str(tmp_path / "m"), port=1)  # refused before uvicorn.run
 
 
 def test_serve_of_a_run_serves_its_export_at_its_policy_version(tmp_path, monkeypatch):

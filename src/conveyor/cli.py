@@ -216,7 +216,12 @@ def eval_cmd(
 
     from conveyor.config import ConfigError
     from conveyor.data import DatasetError, load_dataset
-    from conveyor.eval import EXPORT_SETTINGS_FILE, evaluate, load_export_settings, resolve_eval_model
+    from conveyor.eval import (
+        EXPORT_SETTINGS_FILE,
+        evaluate,
+        load_export_settings,
+        resolve_eval_model,
+    )
     from conveyor.models import ModelLoadError, load_model
     from conveyor.rollout.controller import EpisodesFailedError
     from conveyor.rollout.engine import InferenceEngine, SamplingParams

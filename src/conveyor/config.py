@@ -15,7 +15,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-
 AdamBeta = Annotated[float, Field(ge=0, lt=1)]
 """One of AdamW's betas: torch refuses a value outside [0, 1) only when the optimiser is built."""
 

@@ -315,6 +315,15 @@ def load_export_settings(model: str | Path) -> dict[str, Any] | None:
     return settings
 
 
+def export_policy_version(export: str | Path) -> int | None:
+    """The ``policy_version`` an export's :data:`EXPORT_SETTINGS_FILE` records; None when there
+    is no such file, it is unreadable (:func:`load_export_settings` refuses it) or it has none."""
+    try:
+        return (load_export_settings(export) or {}).get("policy_version")
+    except ValueError:
+        return None
+
+
 def is_run_dir(path: str | Path) -> bool:
     """Whether ``path`` is a ``conveyor train`` run directory rather than a model: a directory
     whose ``config.json`` is a conveyor config (``model``, ``rollout`` and ``trainer`` sections,
@@ -373,20 +382,17 @@ def resolve_eval_model(model: str, *, verb: str = "evaluating") -> tuple[str, st
     if not is_run_dir(run_dir):
         return model, None
     export = run_dir / "export"
-    from conveyor.runtime_files import lock_holder
+    from conveyor.runtime_files import holder_name, lock_holder
 
     holder = lock_holder(run_dir)
     if holder is not None:  # a run being trained (a resume): its export, if any, is from before
-        who = f"process {holder['pid']}" if holder.get("pid") else "another process"
         old = ""
         if (export / "config.json").is_file():
-            try:
-                v = (load_export_settings(export) or {}).get("policy_version")
-            except ValueError:
-                v = None
+            v = export_policy_version(export)
             old = (f"; its export {export} holds policy version {v} from before" if v is not None else
                    f"; its export {export} is from before")
-        raise ValueError(f"--model {model}: the run is being trained now by {who} (it holds {run_dir / 'run.lock'})"
+        raise ValueError(f"--model {model}: the run is being trained now by {holder_name(holder)} (it holds "
+                         f"{run_dir / 'run.lock'})"
                          f"{old}; wait for it to finish, or name the export itself (--model {export}) to use "
                          "that older policy knowingly")
     if (export / "config.json").is_file():

@@ -283,7 +283,7 @@ def load_policy(run_dir: str | Path, *, warn: Callable[[str], None] | None = Non
 
     from conveyor.checkpoint import checkpoint_version, complete_checkpoints, verify_checkpoint
     from conveyor.models import load_model
-    from conveyor.runtime_files import lock_holder
+    from conveyor.runtime_files import holder_name, lock_holder
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
@@ -291,13 +291,14 @@ def load_policy(run_dir: str | Path, *, warn: Callable[[str], None] | None = Non
     settings, notes = run_settings(run_dir)
     export = run_dir / "export"
     use_export = (export / "config.json").is_file()
+    export_notes: list[str] = []  # (kept only when the export is the one inspected)
+    export_v = _export_version(export, export_notes) if use_export else None
     holder = lock_holder(run_dir)
     if holder is not None:  # being trained now (fresh-user trial 4, findings 4-5)
-        who = f"process {holder['pid']}" if holder.get("pid") else "another process"
+        who = holder_name(holder)
         newest = complete_checkpoints(run_dir)
         newest_v = checkpoint_version(newest[-1]) if newest else None
         if use_export:
-            export_v = _export_version(export, [])
             if newest_v is not None and (export_v is None or newest_v > export_v):
                 use_export = False
                 notes.append(f"the run is being trained now by {who}: its export (policy version {export_v}) is "
@@ -306,12 +307,13 @@ def load_policy(run_dir: str | Path, *, warn: Callable[[str], None] | None = Non
             notes.append(f"the run is being trained now by {who}: inspecting its newest checkpoint")
     if use_export:
         lm = load_model(str(export))
-        version = _export_version(export, notes)
+        notes.extend(export_notes)
+        version = export_v
         shown = "policy version unknown" if version is None else f"policy version {version}"
         policy = Policy(lm.model, lm.tokenizer, f"the run's export ({export}, {shown})", True, notes, version)
     else:
         policy = None
-        for ckpt in _checkpoints_newest_first(run_dir, complete_checkpoints):
+        for ckpt in _checkpoints_newest_first(run_dir):
             reason = verify_checkpoint(ckpt)
             if reason is not None:
                 notes.append(f"checkpoint {ckpt.name} skipped: {reason}")
@@ -350,10 +352,12 @@ def load_policy(run_dir: str | Path, *, warn: Callable[[str], None] | None = Non
     return policy
 
 
-def _checkpoints_newest_first(run_dir: Path, complete_checkpoints, tries: int = 5):
+def _checkpoints_newest_first(run_dir: Path, tries: int = 5):
     """The run's committed checkpoints, newest first; when one the caller skipped (removed by a
     training process's rotation) was the newest, the list is read again, so a newer checkpoint
     written meanwhile comes first (at most ``tries`` readings)."""
+    from conveyor.checkpoint import complete_checkpoints
+
     seen: set[Path] = set()
     for _ in range(tries):
         fresh = [c for c in reversed(complete_checkpoints(run_dir)) if c not in seen]

@@ -34,6 +34,7 @@ from conveyor.checkpoint import (
     save_checkpoint,
 )
 from conveyor.config import TrainConfig, load_config
+from conveyor.eval import export_policy_version
 from conveyor.preflight import check_prompt_lengths, config_warnings, require_samples
 from conveyor.prompts import resolve_instruction
 from conveyor.runlog import (
@@ -285,37 +286,29 @@ def prepare_resume(run_dir: Path, version: int) -> dict:
     moved = []
     after = run_dir / "eval_after.json"
     if after.is_file():
-        n = 1
-        dest = run_dir / "eval_after.json.superseded"
-        while dest.exists():
-            n += 1
-            dest = run_dir / f"eval_after.json.superseded.{n}"
+        dest = _superseded_name(after)
         supersede_events(run_dir, lambda row: row.get("event") == "eval" and row.get("label") == "after",
                          {"resume_from_version": version, "moved_to": dest.name, "time": time.time()})
         after.rename(dest)
         moved.append(f"eval_after.json -> {dest.name}")
     export = run_dir / "export"
-    exported = _export_policy_version(export)
+    exported = export_policy_version(export)
     if exported is not None and exported > version:  # a policy the resume trains again: never overwritten
-        n = 1
-        dest = run_dir / "export.superseded"
-        while dest.exists():
-            n += 1
-            dest = run_dir / f"export.superseded.{n}"
+        dest = _superseded_name(export)
         export.rename(dest)
         moved.append(f"export (policy version {exported}) -> {dest.name}")
     (run_dir / "summary.json").unlink(missing_ok=True)
     return {"cleaned": cleaned, "superseded_rows": superseded, "superseded_files": moved}
 
 
-def _export_policy_version(export: Path) -> int | None:
-    """The ``policy_version`` of a run's export (its ``conveyor.json``), or None (no export, or
-    a version it does not record)."""
-    try:
-        v = json.loads((export / "conveyor.json").read_text()).get("policy_version")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
+def _superseded_name(path: Path) -> Path:
+    """Where :func:`prepare_resume` moves ``path`` aside: ``<name>.superseded``, else the first
+    free ``<name>.superseded.N`` (N >= 2)."""
+    dest, n = path.with_name(f"{path.name}.superseded"), 1
+    while dest.exists():
+        n += 1
+        dest = path.with_name(f"{path.name}.superseded.{n}")
+    return dest
 
 
 def unsaved_final_versions(run_dir: Path, ckpt: Path | None) -> str | None:
@@ -335,9 +328,8 @@ def unsaved_final_versions(run_dir: Path, ckpt: Path | None) -> str | None:
     if have >= s["steps"]:
         return None
     what = f"version {s['steps']} is" if have + 1 == s["steps"] else f"versions {have + 1}-{s['steps']} are"
-    kept = ("its export (policy version "
-            f"{_export_policy_version(run_dir / 'export')}) is moved to export.superseded"
-            if _export_policy_version(run_dir / "export") is not None else "")
+    exported = export_policy_version(run_dir / "export")
+    kept = f"its export (policy version {exported}) is moved to export.superseded" if exported is not None else ""
     return (f"the run finished at version {s['steps']} but kept no checkpoint of it (run.final_checkpoint=none): "
             f"a resume continues from {ckpt.name}, so {what} trained again, on new rollouts"
             + (f"; {kept}" if kept else ""))
@@ -488,12 +480,15 @@ def final_checkpoint(
             raise
 
 
+def failure_counts(stats) -> dict[str, int]:
+    """The controller's cumulative failure counts as :func:`report_failures` shows them (and a
+    resumed run's :class:`~conveyor.runlog.FailureCounter` starts from)."""
+    return {"reward failures": stats.reward_failures, "failed episodes": stats.episodes_failed}
+
+
 def report_failures(counter: FailureCounter, controller, console) -> None:
     """At most one console line every few seconds with the new reward failures / failed
     episodes (each one, with its traceback, is in train.log)."""
-    st = controller.stats
-    line = counter.update(
-        {"reward failures": st.reward_failures, "failed episodes": st.episodes_failed}
-    )
+    line = counter.update(failure_counts(controller.stats))
     if line:
         console.print(f"[yellow]{line}[/]")

@@ -229,12 +229,9 @@ class RunLock:
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise describe_os_error(e, f"the lock file {self.path}") from e
-            who = f"process {holder['pid']}" if holder.get("pid") else "another process"
-            if holder.get("host") and holder["host"] != socket.gethostname():
-                who += f" on {holder['host']}"
             raise RunDirInUseError(
                 errno.EBUSY,
-                f"run directory {self.run_dir} is in use by {who} (it holds {self.path}); two "
+                f"run directory {self.run_dir} is in use by {holder_name(holder)} (it holds {self.path}); two "
                 "processes on one run directory would both train and write checkpoints. Wait for "
                 f"it to finish or stop it (e.g. `kill {holder.get('pid', 'PID')}`; Ctrl-C or "
                 "SIGTERM writes a checkpoint), then resume.",
@@ -274,6 +271,15 @@ def _read_holder(fd: int) -> dict:
         return info if isinstance(info, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def holder_name(holder: dict) -> str:
+    """A lock holder (:func:`lock_holder`'s dict) for a message: ``process PID`` (``on HOST``
+    when another machine holds it), or ``another process`` when the file names none."""
+    who = f"process {holder['pid']}" if holder.get("pid") else "another process"
+    if holder.get("host") and holder["host"] != socket.gethostname():
+        who += f" on {holder['host']}"
+    return who
 
 
 def lock_holder(run_dir: str | Path) -> dict | None:

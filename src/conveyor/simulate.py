@@ -677,11 +677,11 @@ def calibrate(run_dir: str | Path, notes: list[str] | None = None) -> SimConfig:
     for n, p in paths.items():
         if not p.is_file():
             if n == "engine_stats.json" and paths["config.json"].is_file():  # a run whose process has not ended
-                from conveyor.runtime_files import lock_holder
+                from conveyor.runtime_files import holder_name, lock_holder
 
                 holder = lock_holder(run_dir)
                 if holder is not None:
-                    who = f"process {holder['pid']}" if holder.get("pid") else "another process"
+                    who = holder_name(holder)
                     raise FileNotFoundError(f"{p}: missing: the run is being trained now by {who}, and a training "
                                             "process writes it when it ends; calibrate once the run has finished "
                                             "or stopped (Ctrl-C)")

@@ -110,10 +110,8 @@ class WeightUpdate:
         holding a NaN or an infinity; empty when every value is finite. A receiver that did not
         produce the weights itself (``conveyor serve``'s ``/update_weights_from_disk``) refuses
         such an update: every request would then sample from NaN logits."""
-        bad = [k for k, t in self.tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-        for k, f in self.lora.items():
-            bad += [f"{k}.{n}" for n, t in (("A", f.A), ("B", f.B)) if not bool(torch.isfinite(t).all())]
-        return bad
+        factors = {f"{k}.{n}": t for k, f in self.lora.items() for n, t in (("A", f.A), ("B", f.B))}
+        return non_finite_names(self.tensors) + non_finite_names(factors)
 
     def cast(self, dtype: torch.dtype) -> WeightUpdate:
         """A copy with every floating-point tensor of :attr:`tensors` cast to ``dtype`` (e.g.
@@ -166,6 +164,12 @@ class WeightUpdate:
         for dev in async_from:  # the copies are complete before anyone reads the message
             torch.cuda.synchronize(dev)
         return cls(version=version, tensors=out, aliases=aliases)
+
+
+def non_finite_names(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the floating-point tensors of ``tensors`` holding a NaN or an infinity, in
+    order (e.g. a model's ``state_dict()``); integer tensors are never flagged."""
+    return [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
 def apply_update(targets: dict[str, torch.Tensor], update: WeightUpdate,

@@ -49,7 +49,27 @@ from conveyor.rollout.engine import GenerationOutput, SamplingParams
 from conveyor.rollout.engine.types import PromptTooLongError
 from conveyor.types import Sample, Trajectory
 
-__all__ = ["AgentWorkflow"]
+__all__ = ["AgentWorkflow", "run_group"]
+
+
+async def run_group(episodes) -> list:
+    """Run a group's episode coroutines together and return their results in order, once every
+    one has ended (none keeps generating unobserved after a sibling failed).
+
+    Raises:
+        PromptTooLongError: an episode's prompt fills the context (first: the controller skips
+            the sample rather than counting a failure).
+        Exception: else the first episode's own error (one raising episode fails its group: the
+            group's advantages need every member).
+    """
+    results = await asyncio.gather(*episodes, return_exceptions=True)
+    for r in results:  # a skipped prompt first, then the first failure
+        if isinstance(r, PromptTooLongError):
+            raise r
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
 
 
 class AgentWorkflow:
@@ -92,14 +112,7 @@ class AgentWorkflow:
             ``PromptTooLongError`` first, else the first episode's error, once every episode of
             the group has ended (none keeps generating unobserved).
         """
-        results = await asyncio.gather(*[self._one(engine, sample) for _ in range(self.group_size)],
-                                       return_exceptions=True)
-        for r in results:  # a skipped prompt first, then the first failure
-            if isinstance(r, PromptTooLongError):
-                raise r
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
+        results = await run_group(self._one(engine, sample) for _ in range(self.group_size))
         if any(r is None for r in results):
             return None
         group_id = f"{sample.id}#{uuid.uuid4().hex[:12]}"

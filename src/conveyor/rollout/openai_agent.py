@@ -52,8 +52,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.rollout.agent import run_group
 from conveyor.rollout.engine import SamplingParams
-from conveyor.rollout.engine.types import PromptTooLongError
 from conveyor.rollout.openai_server import (
     ChatTemplate,
     OpenAIServer,
@@ -328,14 +328,7 @@ class OpenAIAgentWorkflow:
             OpenAISessionError: a refused call, or an agent that made no call.
             Whatever the agent raises (the controller counts a failed episode).
         """
-        results = await asyncio.gather(*[self._one(engine, sample) for _ in range(self.group_size)],
-                                       return_exceptions=True)
-        for r in results:  # a skipped prompt first, then the first failure
-            if isinstance(r, PromptTooLongError):
-                raise r
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
+        results = await run_group(self._one(engine, sample) for _ in range(self.group_size))
         if any(r is None for r in results):
             return None
         group_id = f"{sample.id}#{uuid.uuid4().hex[:12]}"

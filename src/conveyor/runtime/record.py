@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from conveyor.rewards.styles import style_batch_metrics
-from conveyor.rundir import report_failures
+from conveyor.rundir import failure_counts, report_failures
 from conveyor.runlog import FailureCounter, MetricsLogger
 from conveyor.types import Trajectory
 
@@ -168,9 +168,8 @@ class StepRecorder:
     def __init__(self, logger: MetricsLogger, controller, console, bar, task, total: int, progress: bool):
         self.logger, self.controller, self.console = logger, controller, console
         self.bar, self.task, self.total, self.progress = bar, task, total, progress
-        st = controller.stats  # a resumed run's counts, restored with its checkpoint: not new
-        self.failures = FailureCounter(baseline={"reward failures": st.reward_failures,
-                                                 "failed episodes": st.episodes_failed})
+        # a resumed run's counts, restored with its checkpoint: not new
+        self.failures = FailureCounter(baseline=failure_counts(controller.stats))
         self.proximal_seconds: list[float] = []
         self.train_seconds: list[float] = []
 

@@ -150,12 +150,7 @@ class Updater:
         out = []
         old_lr, new_lr = float(saved.get("lr", self.settings.get("lr"))), self.settings.get("lr")
         if new_lr is not None and old_lr > 0 and new_lr != old_lr:
-            factor = new_lr / old_lr
-            self.scheduler.base_lrs = [b * factor for b in self.scheduler.base_lrs]
-            for i, g in enumerate(self.optimizer.param_groups):
-                g["initial_lr"] = self.scheduler.base_lrs[i]
-                g["lr"] = self.scheduler.base_lrs[i] * self.scheduler.lr_lambdas[i](self.scheduler.last_epoch)
-            self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+            self.scale_lr(new_lr / old_lr)  # the peak and the current rate, at the schedule's position
             out.append(f"lr {old_lr:g} -> {new_lr:g}")
         for key in ("betas", "weight_decay"):
             if key in saved and key in self.settings and saved[key] != self.settings[key]:

@@ -49,7 +49,7 @@ from conveyor.rollout.engine.types import (
     GenerationOutput,
     SamplingParams,
 )
-from conveyor.sync import read_weights
+from conveyor.sync import non_finite_names, read_weights
 
 log = logging.getLogger("conveyor.rollout.engine.server")
 
@@ -216,6 +216,11 @@ def trimmed_text(out: GenerationOutput, params: SamplingParams) -> str:
     never cut: the stop string's tokens were generated and are trained on."""
     matched = _matched_stop(out, params)
     return out.text if matched is None else out.text[:out.text.find(matched)]
+
+
+def _first_names(names: list[str], k: int = 5) -> str:
+    """The first ``k`` of ``names`` for a message (``, ...`` when there are more)."""
+    return ", ".join(names[:k]) + (", ..." if len(names) > k else "")
 
 
 def _finish_reason_json(out: GenerationOutput, params: SamplingParams) -> dict[str, Any]:
@@ -481,8 +486,8 @@ def build_app(
             update = await asyncio.to_thread(read_weights, path, version)
             bad = await asyncio.to_thread(update.non_finite)
             if bad:  # every request would sample from NaN logits: refused, the weights in force kept
-                raise ValueError(f"{len(bad)} tensors hold NaN or infinite values ({', '.join(bad[:5])}"
-                                 f"{', ...' if len(bad) > 5 else ''}); the weights in force are kept")
+                raise ValueError(f"{len(bad)} tensors hold NaN or infinite values ({_first_names(bad)}); the "
+                                 "weights in force are kept")
             await asyncio.to_thread(engine.update_weights, update)
         except (OSError, ValueError, KeyError, TypeError) as e:
             msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
@@ -669,8 +674,6 @@ def serve(
     """
     import uvicorn
 
-    import torch
-
     from conveyor.eval import load_export_settings
     from conveyor.models import ModelLoadError, load_model
     from conveyor.rollout.engine.local import InferenceEngine
@@ -681,10 +684,10 @@ def serve(
     version = exported.get("policy_version")
     version = version if isinstance(version, int) and version >= 0 else 0
     lm = load_model(model, init=init)
-    bad = [n for n, t in lm.model.state_dict().items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad = non_finite_names(lm.model.state_dict())
     if bad:  # every answer would be sampled from NaN logits (and its log-probs NaN)
-        raise ModelLoadError(f"{model}: {len(bad)} weights hold NaN or infinite values ({', '.join(bad[:5])}"
-                             f"{', ...' if len(bad) > 5 else ''}); refusing to serve them")
+        raise ModelLoadError(f"{model}: {len(bad)} weights hold NaN or infinite values ({_first_names(bad)}); "
+                             "refusing to serve them")
     engine = InferenceEngine(lm.model, lm.tokenizer, max_batch_size=max_batch_size, seed=seed,
                              num_threads=num_threads, device=device, version=version)
     log.info("serving %s%s on %s at weight version %d", model, " (random weights)" if init == "random" else "",
