@@ -262,25 +262,85 @@ def test_controller_drives_manager():
     assert (c.ratio, m.eta, m.capacity(0)) == (0.1, 0, 2)
 
 
-def test_buffer_set_eta_drops_by_the_new_bound():
-    """TrajectoryBuffer.set_eta: lowering the bound drops groups older than the new one at the
-    next drop; raising it keeps them; None never drops; a bad value names the field."""
-    from conveyor.rollout.buffer import TrajectoryBuffer
+def _group(version, gid, n=1):
     from conveyor.types import Sample, Trajectory
+    return [Trajectory(sample=Sample(gid, "q", "1", "t"), group_id=f"{gid}#{i}", prompt_ids=[1], response_ids=[2],
+                       behaviour_logprobs=[0.0], versions=[version]) for i in range(n)]
 
-    def group(version, gid):
-        return [Trajectory(sample=Sample(gid, "q", "1", "t"), group_id=gid, prompt_ids=[1], response_ids=[2],
-                           behaviour_logprobs=[0.0], versions=[version])]
+
+def test_buffer_judges_each_group_by_the_bound_it_was_admitted_under():
+    """TrajectoryBuffer.set_eta: a lowered bound applies to the groups admitted after it only; a
+    group put under a higher bound keeps it (asyppo.md: judging it by the lowered one threw a
+    batch away at every decrease); raising the bound applies to every group at once; None
+    (unbounded) never drops; a bad value names the field."""
+    from conveyor.rollout.buffer import TrajectoryBuffer
 
     buf = TrajectoryBuffer(eta=4)
     for v in (0, 1, 2, 3):
-        buf.put(group(v, f"g{v}"))
-    assert buf.drop_stale(4) == 0  # ages 0..3 >= 4 - 4
+        buf.put(_group(v, f"g{v}"))          # admitted under eta 4 (the bound in force)
+    assert buf.drop_stale(4) == 0            # ages 0..3 >= 4 - 4
     buf.set_eta(1)
     assert buf.eta == 1
-    assert buf.drop_stale(4) == 3  # ages 0, 1, 2 < 4 - 1
+    buf.put(_group(2, "late"))               # admitted under eta 1: age 2 < 4 - 1
+    buf.put(_group(2, "explicit"), eta=3)    # admitted under eta 3 (an episode in flight at the change)
+    assert buf.drop_stale(4) == 1            # only "late": the others keep their bounds (4, 3)
+    assert [r["group"] for r in buf.take_dropped()] == ["late#0"]
+    assert buf.drop_stale(5) == 1            # g0: 0 < 5 - 4 (explicit: 2 >= 5 - 3, kept)
+    assert buf.drop_stale(6) == 2            # g1: 1 < 6 - 4; explicit: 2 < 6 - 3
+    assert sorted(r["group"] for r in buf.take_dropped()) == ["explicit#0", "g0#0", "g1#0"]
+    buf.set_eta(6)                           # raising: every group at once (g2: 2 >= 8 - 6)
+    assert buf.drop_stale(8) == 0 and buf.size() == 2
+    buf.put(_group(0, "unbounded"), eta=None)  # admitted while unbounded: never stale
+    assert buf.widest_bound() is None
+    assert buf.drop_stale(100) == 2 and [g[0].group_id for g in buf.snapshot()] == ["unbounded#0"]
     buf.set_eta(None)
-    buf.put(group(0, "old"))
-    assert buf.drop_stale(100) == 0
+    buf.put(_group(0, "old"))
+    assert buf.drop_stale(1000) == 0
     with pytest.raises(ValueError, match="eta"):
         buf.set_eta(-1)
+    with pytest.raises(ValueError, match="eta"):
+        buf.put(_group(0, "bad"), eta=-2)
+
+
+def test_buffer_widest_bound_and_snapshot_with_bounds():
+    """The widest bound a buffered group is judged by (old-log-prob patches live that long), and
+    each group's admission bound in the snapshot, to put back on a resume."""
+    from conveyor.rollout.buffer import TrajectoryBuffer
+
+    buf = TrajectoryBuffer(eta=2)
+    assert buf.widest_bound() == 2           # empty: the bound in force
+    buf.put(_group(0, "a"), eta=4)
+    buf.put(_group(1, "b"))
+    assert buf.widest_bound() == 4
+    buf.set_eta(5)
+    assert buf.widest_bound() == 5
+    pairs = buf.snapshot_with_bounds()
+    assert [(g[0].group_id, eta) for g, eta in pairs] == [("a#0", 4), ("b#0", 2)]
+    again = TrajectoryBuffer(eta=1)
+    for g, eta in pairs:
+        again.put(g, eta=eta)
+    assert again.drop_stale(4) == 1          # b: 1 < 4 - 2; a: 0 >= 4 - 4 kept
+    assert again.snapshot()[0][0].group_id == "a#0"
+
+
+def test_buffer_waits_for_expiring_groups_by_their_own_bound():
+    """get_batch's wait for expiring groups counts a buffered group as expiring at the version
+    where its own bound (admission or in force, the larger) ends, not where the lowered one does."""
+    from conveyor.rollout.buffer import TrajectoryBuffer
+
+    buf = TrajectoryBuffer(eta=1)
+    buf.put(_group(0, "a", 2), eta=3)        # expires after the batch at v 3 (0 = 3 - 3)
+    buf.put(_group(2, "b", 2))               # bound 1: expires after the batch at v 3 (2 = 3 - 1)
+    # v 3, 2 expiring in flight: a (2) + b (2) + 2 > 4: waiting cannot save them all: batch forms
+    assert buf.get_batch(4, 3, pending_expiring=2) is not None
+    buf.put(_group(1, "a", 2), eta=3)        # expires at v 4
+    buf.put(_group(3, "b", 2))               # expires at v 4 too (3 = 4 - 1)
+    buf.put(_group(3, "c", 2), eta=3)        # expires at v 6 only
+    # v 4: a + b = 4 expiring; with 2 more in flight they cannot all fit: no wait
+    assert buf.get_batch(4, 4, pending_expiring=2) is not None
+    assert [g[0].group_id for g in buf.snapshot()] == ["c#0"]
+    assert buf.get_batch(4, 4, pending_expiring=2) is None  # c is not expiring; 2 in flight fit: but only 2 buffered
+    buf.put(_group(4, "d", 2))
+    assert buf.last_held_back is False
+    # v 4 with c (expires v 6) and d (expires v 5): nothing expiring buffered, 2 pending fit: wait
+    assert buf.get_batch(4, 4, pending_expiring=2) is None and buf.last_held_back is True

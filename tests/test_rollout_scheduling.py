@@ -424,3 +424,84 @@ def test_a_batch_that_is_not_complete_yet_is_not_an_expiring_wait():
     finally:
         stop.set()
         c.stop()
+
+
+def test_lowering_eta_mid_run_throttles_admission_and_drops_nothing_admitted():
+    """An adaptive controller lowers eta 2 -> 0 at version 1 (asyppo.md: judged by the lowered
+    bound, every decrease threw a batch away). Episodes admitted under eta 2 (e0, a straggler;
+    e1; e2) are trained within eta 2 (e2 at version 1, e0 at version 2, both of age 0), the
+    straggler still counts as expiring at version 2 = 0 + 2, nothing is dropped, and no new
+    episode is admitted until the lowered bound allows one (version 3: (0 + 3 + 1) x 2 = 8 >
+    6 accepted). The checkpoint keeps each buffered group's admission bound."""
+    import time
+
+    samples = [Sample(str(i), "q", "1", "t") for i in range(8)]
+    staleness = StalenessManager(batch_size=2, eta=2, max_concurrent=64)
+    buf = TrajectoryBuffer(2, on_drop=staleness.on_drop)
+    gate, ref = threading.Event(), []
+    c = RolloutController(RecordingEngine(False), VersionedWorkflow(ref, gate), DataStream(samples, seed=0),
+                          staleness, buf, group_size=2)
+    ref.append(c)
+    stop = threading.Event()
+    take = lambda v: wait_for_batch(buf, 2, lambda: v, stop=stop, take=c.take_batch, poll_s=0.05)  # noqa: E731
+    c.start()
+    try:
+        groups = [take(0)[0].group_id]       # e1 or e2 (e0 waits at the gate)
+        c.set_eta(0)
+        c.set_version(1)
+        deadline = time.monotonic() + 30
+        while buf.size() < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        groups.append(take(1)[0].group_id)   # the other one: age 0 < 1 - 0, kept by its bound 2
+        c.set_version(2)
+        assert c.expiring_inflight(2) == 2   # e0: admitted at 0 = 2 - 2
+        assert c.stats.episodes_started == 3  # the lowered bound admits nothing: (0 + 2 + 1) x 2 = 6
+        gate.set()
+        groups.append(take(2)[0].group_id)   # the straggler: age 0 >= 2 - 2
+        state = c.snapshot()
+        c.set_version(3)                     # (0 + 3 + 1) x 2 = 8: one more episode, under eta 0
+        deadline = time.monotonic() + 30
+        while c.stats.episodes_started < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.stats.episodes_started == 4
+    finally:
+        stop.set()
+        c.stop()
+    assert sorted(groups[:2]) == ["e1#0", "e2#0"] and groups[2] == "e0#0"
+    assert buf.stats()["dropped_stale"] == 0 and c.take_not_trained() == []
+    assert state["buffer"] == [] and state["buffer_eta"] == []
+
+
+def test_controller_checkpoint_keeps_each_groups_admission_bound():
+    """snapshot() saves each buffered group's admission bound (``buffer_eta``) and restore()
+    puts it back, so a resume after eta was lowered drops nothing admitted under the old bound; a
+    checkpoint saved before bounds were recorded restores them as the bound in force."""
+    samples = [Sample(str(i), "q", "1", "t") for i in range(4)]
+
+    def controller(eta):
+        staleness = StalenessManager(batch_size=2, eta=eta, max_concurrent=64)
+        buf = TrajectoryBuffer(eta, on_drop=staleness.on_drop)
+        return RolloutController(RecordingEngine(False), VersionedWorkflow([], threading.Event()),
+                                 DataStream(samples, seed=0), staleness, buf, group_size=2), buf
+
+    c, buf = controller(0)
+    group = [Trajectory(sample=samples[0], group_id=f"g#{i}", prompt_ids=[1], response_ids=[2],
+                        behaviour_logprobs=[0.0], versions=[1]) for i in range(2)]
+    buf.put(group, eta=3)                    # admitted under eta 3, before a lowering to 0
+    state = c.snapshot()
+    assert state["buffer_eta"] == [3]
+    again, again_buf = controller(0)
+    again.restore(state, version=4)
+    assert again_buf.drop_stale(4) == 0      # 1 >= 4 - 3
+    # the old-log-prob patches of work admitted under eta 3 live as long as it may be trained
+    from conveyor.rollout.old_logprobs import OldLogprobPatch
+    again.apply_old_logprobs([OldLogprobPatch("k", 0, (-1.0,), 1)])
+    again.set_version(4)                     # 1 >= 4 - 3: kept (judged by eta 0 it was forgotten)
+    assert len(again.old_logprobs) == 1
+    again_buf.get_batch(2, 4)
+    again.set_version(5)                     # nothing admitted under eta 3 is left: eta 0 applies
+    assert len(again.old_logprobs) == 0
+    old = dict(state, buffer_eta=None)       # an older checkpoint: the bound in force (0)
+    third, third_buf = controller(0)
+    third.restore(old, version=4)
+    assert third_buf.drop_stale(4) == 2

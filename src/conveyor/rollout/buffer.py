@@ -7,7 +7,10 @@ group-relative advantages (GRPO-style) always see complete groups.
 
 Staleness of a trajectory is measured from its oldest response token
 (``Trajectory.oldest_version``, MISSION.md section 1); a group is as old as its oldest
-trajectory. At trainer version ``v`` a group is stale when its age is ``< v - eta``.
+trajectory. At trainer version ``v`` a group is stale when its age is ``< v - eta``, where
+``eta`` is the bound in force when its episode was admitted, or the bound in force now when that
+is larger: a bound lowered mid-run (an adaptive controller, MISSION.md section 4) throttles
+admission only, and never throws away work admitted under the higher one.
 
 Synchronous and thread-safe (one ``threading.Condition``); the asyncio controller wraps it.
 """
@@ -20,6 +23,9 @@ from collections.abc import Callable, Sequence
 
 from conveyor.rollout.staleness import check_int
 from conveyor.types import Trajectory
+
+IN_FORCE = object()
+"""``put(group, eta=IN_FORCE)``: the group was admitted under the bound in force now."""
 
 
 def group_version(group: Sequence[Trajectory]) -> int:
@@ -53,9 +59,15 @@ class TrajectoryBuffer:
 
     - Staleness is measured from a trajectory's oldest token; a group's age is that of its
       oldest trajectory (:func:`group_version`).
-    - At trainer version ``v``, every group with age ``< v - eta`` is dropped (never handed
-      out) and counted in ``stats()["dropped_stale"]`` (trajectories) and
-      ``stats()["dropped_stale_groups"]``. ``eta = None`` never drops.
+    - Each group keeps the bound it was admitted under (:meth:`put`'s ``eta``); its bound is
+      that one or the bound in force now, whichever is larger (None, unbounded, is the
+      largest). At trainer version ``v``, every group with age ``< v - bound`` is dropped (never
+      handed out) and counted in ``stats()["dropped_stale"]`` (trajectories) and
+      ``stats()["dropped_stale_groups"]``. ``eta = None`` never drops. So lowering the bound
+      (:meth:`set_eta`) drops nothing already admitted: the capacity rule
+      (:class:`~conveyor.rollout.staleness.StalenessManager`) admits by the new bound, and the
+      groups admitted under the old one are trained within the old one (asyppo.md: judged by
+      the lowered bound, every decrease of an adaptive run threw a batch away).
     - :meth:`get_batch` hands out the oldest groups first (by age, then insertion order);
       each trajectory is handed out at most once.
 
@@ -75,9 +87,9 @@ class TrajectoryBuffer:
             raise ValueError(f"on_drop must be callable or None, got {on_drop!r}")
         self._on_drop = on_drop
         self._cond = threading.Condition(threading.Lock())
-        # Sorted by (age, insertion sequence); sequence numbers are unique, so the group list
-        # itself is never compared.
-        self._groups: list[tuple[int, int, list[Trajectory]]] = []
+        # Sorted by (age, insertion sequence, ...); sequence numbers are unique, so the group list
+        # and its admission bound (None: unbounded) are never compared.
+        self._groups: list[tuple[int, int, list[Trajectory], int | None]] = []
         self._seq = 0
         self._dropped_log: list[dict] = []  # groups dropped as stale, not yet taken
         self._size = 0
@@ -97,9 +109,11 @@ class TrajectoryBuffer:
         return self._eta
 
     def set_eta(self, eta: int | None) -> None:
-        """Change the staleness bound mid-run (an adaptive controller, MISSION.md section 4):
-        groups older than the new bound are dropped at the next take / drop, exactly as if the
-        bound had always been ``eta``.
+        """Change the staleness bound mid-run (an adaptive controller, MISSION.md section 4).
+
+        Raising it applies to every buffered group at once (older groups become usable again
+        before they are dropped); lowering it applies to the groups put with a lower admission
+        bound only: a group admitted under a higher bound keeps that one (class docstring).
 
         Raises:
             ValueError: ``eta`` is not None and not an int >= 0 (field ``eta``).
@@ -109,11 +123,17 @@ class TrajectoryBuffer:
             self._eta = new
 
     # ---------------------------------------------------------------- input
-    def put(self, traj_or_group: Trajectory | Sequence[Trajectory]) -> None:
+    def put(self, traj_or_group: Trajectory | Sequence[Trajectory], *, eta=IN_FORCE) -> None:
         """Add one group (a list of trajectories of one prompt) or a single trajectory.
 
         A single :class:`~conveyor.types.Trajectory` is stored as a group of one. Wakes
         :meth:`wait_for` callers.
+
+        Args:
+            traj_or_group: The group.
+            eta: The staleness bound its episode was admitted under (int >= 0, or None for
+                unbounded); the default :data:`IN_FORCE` takes the buffer's bound now. The group
+                is judged by this bound or the one in force, whichever is larger.
 
         Raises:
             TypeError: if the argument or one of its items is not a ``Trajectory``.
@@ -143,9 +163,12 @@ class TrajectoryBuffer:
                 raise ValueError(
                     f"group[{i}].versions contains a negative version {min(t.versions)}"
                 )
+        if eta is not IN_FORCE and eta is not None:
+            check_int("eta", eta, 0)
         age = group_version(group)
         with self._cond:
-            bisect.insort(self._groups, (age, self._seq, group))
+            bound = self._eta if eta is IN_FORCE else eta
+            bisect.insort(self._groups, (age, self._seq, group, bound))
             self._seq += 1
             self._size += len(group)
             self._stats["put_groups"] += 1
@@ -180,9 +203,9 @@ class TrajectoryBuffer:
 
         Waiting for expiring groups (``pending_expiring > 0``; ``async.wait_for_expiring``,
         docs/results/main_job.md): ``pending_expiring`` trajectories still in flight expire at
-        this version (their group would be older than ``current_version + 1 - eta`` at the next
+        this version (their group would be older than ``current_version + 1 -`` its bound at the next
         one, so this batch is their last chance). If they fit into this batch together with the
-        buffered groups that expire now (age ``<= current_version - eta``), nothing is handed
+        buffered groups that expire now (age ``<= current_version -`` their bound), nothing is handed
         out (None): the caller waits for them instead of filling the batch with younger groups
         and dropping the stragglers at the next version. When they cannot fit, the batch is
         formed as usual (waiting could not save them all). ``last_held_back`` tells whether
@@ -209,14 +232,17 @@ class TrajectoryBuffer:
             taken: list[int] = []
             total = 0
             wait = False
-            if pending_expiring and self._eta is not None:
-                last = current_version - self._eta  # groups of this age expire after this batch
-                expiring = sum(len(g) for age, _, g in self._groups if age <= last)
+            if pending_expiring:
+                expiring = 0  # groups that expire after this batch: age == current_version - bound
+                for age, _, g, admitted in self._groups:
+                    bound = self._bound(admitted)
+                    if bound is not None and age <= current_version - bound:
+                        expiring += len(g)
                 wait = expiring + pending_expiring <= n_trajectories
             # a batch could have formed but waits for the expiring groups (the controller times it)
             self.last_held_back = bool(wait and self._size >= n_trajectories)
             if self._size >= n_trajectories and not wait:
-                for idx, (_, _, group) in enumerate(self._groups):
+                for idx, (_, _, group, _) in enumerate(self._groups):
                     if total + len(group) <= n_trajectories:
                         taken.append(idx)
                         total += len(group)
@@ -249,7 +275,7 @@ class TrajectoryBuffer:
         :meth:`get_batch` applies the bound. Counted in ``stats()["drained"]`` (trajectories).
         """
         with self._cond:
-            groups = [g for _, _, g in self._groups]
+            groups = [g for _, _, g, _ in self._groups]
             self._stats["drained"] += self._size
             self._groups.clear()
             self._size = 0
@@ -262,7 +288,27 @@ class TrajectoryBuffer:
         (not deep-copied), so serialise them before mutating. Nothing is dropped for staleness.
         """
         with self._cond:
-            return [list(g) for _, _, g in self._groups]
+            return [list(g) for _, _, g, _ in self._groups]
+
+    def snapshot_with_bounds(self) -> list[tuple[list[Trajectory], int | None]]:
+        """:meth:`snapshot` with each group's admission bound (``put``'s ``eta``), taken at once:
+        ``(group, eta)`` pairs, oldest first, to put back with ``put(group, eta=eta)``."""
+        with self._cond:
+            return [(list(g), admitted) for _, _, g, admitted in self._groups]
+
+    def widest_bound(self) -> int | None:
+        """The largest staleness bound any buffered group is judged by now (the bound in force,
+        or a larger admission bound); None when any is unbounded. Data kept for the buffered
+        groups (old-log-prob patches) must live this long."""
+        with self._cond:
+            if self._eta is None:
+                return None
+            widest = self._eta
+            for _, _, _, admitted in self._groups:
+                if admitted is None:
+                    return None
+                widest = max(widest, admitted)
+            return widest
 
     # ---------------------------------------------------------------- waiting and stats
     def size(self) -> int:
@@ -305,23 +351,30 @@ class TrajectoryBuffer:
             return {"groups": len(self._groups), "trajectories": self._size, **self._stats}
 
     # ---------------------------------------------------------------- internals
+    def _bound(self, admitted: int | None) -> int | None:
+        """The bound a group admitted under ``admitted`` is judged by now (None: unbounded)."""
+        if admitted is None or self._eta is None:
+            return None
+        return max(admitted, self._eta)
+
     def _drop_stale_locked(self, current_version: int) -> int:
         """Drop stale groups (lock held); return the number of trajectories dropped."""
         if self._eta is None:
             return 0
-        threshold = current_version - self._eta
-        # Groups are sorted by age, so the stale ones form a prefix.
-        cut = bisect.bisect_left(self._groups, threshold, key=lambda e: e[0])
-        if cut == 0:
+        keep, stale = [], []
+        for entry in self._groups:
+            bound = self._bound(entry[3])
+            (stale if bound is not None and entry[0] < current_version - bound else keep).append(entry)
+        if not stale:
             return 0
-        dropped = sum(len(g) for _, _, g in self._groups[:cut])
-        for _, _, g in self._groups[:cut]:  # the audit trail: which groups (take_dropped)
+        dropped = sum(len(g) for _, _, g, _ in stale)
+        for _, _, g, _ in stale:  # the audit trail: which groups (take_dropped)
             self._dropped_log.append({"group": g[0].group_id, "sample": g[0].sample.id,
                                       "outcome": "dropped_stale", "age": group_version(g)})
-        del self._groups[:cut]
+        self._groups = keep  # still sorted: a filtered sorted list
         self._size -= dropped
         self._stats["dropped_stale"] += dropped
-        self._stats["dropped_stale_groups"] += cut
+        self._stats["dropped_stale_groups"] += len(stale)
         return dropped
 
     def _notify_drop(self, dropped: int) -> None:

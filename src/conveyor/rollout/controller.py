@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from conveyor.data import DatasetError
-from conveyor.rollout.buffer import TrajectoryBuffer
+from conveyor.rollout.buffer import IN_FORCE, TrajectoryBuffer
 from conveyor.rollout.engine import PromptTooLongError
 from conveyor.rollout.old_logprobs import OldLogprobBook
 from conveyor.rollout.staleness import StalenessManager
@@ -227,6 +227,7 @@ class RolloutController:
         self._filtered_in_a_row = 0
         self._inflight: dict[int, int] = {}  # episode id -> sample index
         self._admitted_at: dict[int, int] = {}  # episode id -> policy version at admission
+        self._admitted_eta: dict[int, int | None] = {}  # episode id -> staleness bound at admission
         # samples handed out that will never reach the trainer, not yet in the audit trail
         # (take_not_trained); checkpointed, so the records survive a crash exactly
         self._ledger: list[dict] = []
@@ -262,8 +263,19 @@ class RolloutController:
         """Publish the policy version the engine now runs (after a weight update); forget the
         old-log-prob patches of trajectories now beyond the staleness bound."""
         self._version = version
-        self.old_logprobs.prune(version, self.buffer.eta)
+        self.old_logprobs.prune(version, self._widest_bound())
         self._poke()
+
+    def _widest_bound(self) -> int | None:
+        """The largest staleness bound a buffered or in-flight trajectory is judged by (None:
+        unbounded): what admitted work may still be trained within."""
+        widest = self.buffer.widest_bound()
+        with self._lock:
+            for eta in self._admitted_eta.values():
+                if widest is None or eta is None:
+                    return None
+                widest = max(widest, eta)
+        return widest
 
     def set_eta(self, eta: int | None) -> None:
         """Change the staleness bound now (an adaptive controller or a monitor action, issue 13):
@@ -285,13 +297,20 @@ class RolloutController:
         return self.old_logprobs.apply(patches)
 
     def expiring_inflight(self, version: int) -> int:
-        """Trajectories of episodes in flight admitted at policy version ``version - eta``: a
-        batch taken at trainer ``version`` is the last one they can join (0 with ``eta = None``)."""
-        eta = self.buffer.eta
-        if eta is None:
+        """Trajectories of episodes in flight admitted at policy version ``version - eta``, with
+        ``eta`` the bound each is judged by (the one it was admitted under, or the one in force
+        when larger): a batch taken at trainer ``version`` is the last one they can join (0 with
+        ``eta = None``)."""
+        now = self.buffer.eta
+        if now is None:
             return 0
         with self._lock:
-            return self.group_size * sum(v == version - eta for v in self._admitted_at.values())
+            n = 0
+            for eid, v in self._admitted_at.items():
+                admitted = self._admitted_eta.get(eid, now)
+                if admitted is not None and v == version - max(admitted, now):
+                    n += 1
+            return self.group_size * n
 
     def take_batch(self, n: int, version: int) -> list[Trajectory] | None:
         """The buffer's :meth:`~conveyor.rollout.buffer.TrajectoryBuffer.get_batch` at trainer
@@ -372,13 +391,15 @@ class RolloutController:
         with self._lock:
             data_state = self.data.state_dict()
             data_state["requeue"] = list(self._inflight.values()) + data_state["requeue"]
-            groups = self.buffer.snapshot()
+            bounded = self.buffer.snapshot_with_bounds()
+            groups = [g for g, _ in bounded]
             # the buffered trajectories carry their patches into the checkpoint
             self.old_logprobs.attach([t for g in groups for t in g], keep=True)
             st = dict(self.stats.__dict__)
             return {
                 "data": data_state,
                 "buffer": groups,
+                "buffer_eta": [eta for _, eta in bounded],  # each group's admission bound
                 # recorded, not yet logged (the next step's trained.jsonl row lists them)
                 "not_trained": self.buffer.take_dropped(keep=True) + list(self._ledger),
                 "staleness": self.staleness.state_dict(),
@@ -394,11 +415,12 @@ class RolloutController:
         self.data.load_state_dict(state["data"])
         self.staleness.load_state_dict(state["staleness"])
         buffered = 0
-        for g in state["buffer"]:
+        bounds = state.get("buffer_eta") or [IN_FORCE] * len(state["buffer"])  # saved before bounds were: in force
+        for g, eta in zip(state["buffer"], bounds, strict=True):
             for i, t in enumerate(g):  # saved before request keys existed: one span, its own key
                 if "request_spans" not in t.metadata:
                     t.metadata["request_spans"] = [[f"restored:{t.group_id}:{i}", 0, len(t.response_ids)]]
-            self.buffer.put(g)
+            self.buffer.put(g, eta=eta)
             buffered += len(g)
         self.staleness.reset_after_resume(version + self.warmup_batches, buffered=buffered)
         for k, v in state.get("stats", {}).items():
@@ -445,6 +467,7 @@ class RolloutController:
                         self._episode_ids += 1
                         self._inflight[eid] = idx
                         self._admitted_at[eid] = self._version
+                        self._admitted_eta[eid] = self.staleness.eta  # its bound in the buffer
                     self.staleness.on_start(self.group_size)
                     self.stats.episodes_started += 1
                     t = asyncio.create_task(self._episode(eid, sample))
@@ -477,6 +500,7 @@ class RolloutController:
         finally:
             with self._lock:
                 self._admitted_at.pop(eid, None)  # however it ended: never waited for again
+                self._admitted_eta.pop(eid, None)
             self._poke()
 
     async def _run_episode(self, eid: int, sample: Sample) -> None:
@@ -547,8 +571,8 @@ class RolloutController:
             self.staleness.on_accept(G)
         with self._lock:
             self._inflight.pop(eid, None)
-            if accept:
-                self.buffer.put(group)
+            if accept:  # judged by the bound it was admitted under (a lowered eta throttles admission only)
+                self.buffer.put(group, eta=self._admitted_eta.get(eid, IN_FORCE))
             else:  # filtered (all-equal rewards) or rejected by the workflow (None)
                 self._ledger.append({
                     "sample": sample.id, "group": group[0].group_id if group else None,

@@ -110,7 +110,8 @@ class StalenessManager:
         counters, so every call after this one uses the new bound with the real ``accepted`` and
         ``running``. Lowering eta admits nothing until ``accepted + running`` fits in
         ``(eta_new + v + 1) * B`` (capacity clamped at 0; rollouts already in flight are not
-        cancelled, and the buffer's own bound decides whether they are still used); raising it
+        cancelled, and the buffer judges each by the bound it was admitted under,
+        ``TrajectoryBuffer``: nothing admitted is thrown away for the change); raising it
         releases the extra capacity at once. ``None`` (unbounded) <-> int transitions are
         allowed: to None, only ``max_concurrent`` limits admission; from None, the bound applies
         to the counts accumulated while unbounded. The counters are untouched.
