@@ -24,7 +24,13 @@ evaluations (``eval_before.json``, ``eval_step_N.json``, ``eval_after.json``: pr
 target) and prints each style's rate per evaluation (loads the judge: ``pip install
 'conveyor[styles]'``).
 
-    python scripts/preference_shift.py RUN_DIR [--out PNG] [--smooth N] [--heldout] [--json OUT]
+Several run directories (e.g. SAO and the sliding-window baseline, same schedule) are analysed
+one after the other and drawn as one figure, a panel per run on shared axes, plus a last panel of
+each run's target-style rate (default ``--out``: ``preference_shift_compare.png`` beside the
+first run; ``--json`` then holds a list, one entry per run). The last panel is ``style/target_rate``:
+each batch's share judged in the target stamped on its own episode.
+
+    python scripts/preference_shift.py RUN_DIR [RUN_DIR ...] [--out PNG] [--smooth N] [--heldout] [--json OUT]
 """
 
 from __future__ import annotations
@@ -208,6 +214,44 @@ def plot(rows: list[dict], switches: list[Switch], out: Path, title: str, smooth
     plt.close(fig)
 
 
+def plot_compare(runs: list[tuple[str, list[dict], list[Switch]]], out: Path, smooth: int = 1) -> None:
+    """One panel per run (per-style rates, switches dashed) and a last panel with each run's
+    ``style/target_rate`` (the share of each batch judged in the target stamped on its own
+    episode), shared step axis, to ``out`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs) + 1, 1, figsize=(9, 2.6 * (len(runs) + 1)), sharex=True)
+    for ax, (name, rows, switches) in zip(axes, runs, strict=False):
+        for style in STYLES:
+            pts = rate_series(rows, style, smooth)
+            if pts:
+                ax.plot([p for p, _ in pts], [v for _, v in pts], label=style, lw=1.5)
+        ax.set_title(name, fontsize=9)
+        for sw in switches:
+            ax.axvline(sw.version, color="grey", ls="--", lw=1)
+    last = axes[-1]
+    for name, rows, _ in runs:
+        pts = rate_series(rows, "target", smooth)
+        last.plot([p for p, _ in pts], [v for _, v in pts], label=name, lw=1.5)
+    last.set_title("rate of the target style (style/target_rate)", fontsize=9)
+    for sw in runs[0][2]:
+        last.axvline(sw.version, color="grey", ls="--", lw=1)
+    for ax in axes:
+        ax.axhline(0.5, color="grey", ls=":", lw=0.8)
+        ax.axhline(0.1, color="grey", ls=":", lw=0.8)
+        ax.set_ylim(-0.02, 1.05)
+        ax.legend(loc="upper left", fontsize=7)
+        ax.set_ylabel("share" + (f" (mean of {smooth})" if smooth > 1 else ""), fontsize=8)
+    last.set_xlabel("step (policy version after the update)")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
 def heldout_rates(run: Path) -> list[tuple[str, dict[str, float], int]]:
     """``(file name, {style: share judged in it}, responses)`` for each held-out evaluation of the
     run (``eval_before.json``, ``eval_step_N.json`` by N, ``eval_after.json``), judged now with
@@ -249,20 +293,12 @@ def _fmt(n: int | None, last: int) -> str:
     return (f"{n} version{'' if n == 1 else 's'}" if n is not None else f"not reached by step {last}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The command line (see the module docstring)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run", type=Path, help="the run directory (metrics.jsonl, config.json)")
-    ap.add_argument("--out", type=Path, default=None, help="PNG of the curves (default RUN/preference_shift.png)")
-    ap.add_argument("--smooth", type=int, default=1, help="trailing mean over N steps first (default 1: raw)")
-    ap.add_argument("--new-threshold", type=float, default=0.5)
-    ap.add_argument("--old-threshold", type=float, default=0.1)
-    ap.add_argument("--heldout", action="store_true", help="also judge the held-out evaluations' responses")
-    ap.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
-    a = ap.parse_args(argv)
-    rows, adaptations, what = analyse(a.run, new_threshold=a.new_threshold, old_threshold=a.old_threshold,
+def report(run: Path, a: argparse.Namespace, *, draw: bool) -> tuple[dict, list[dict], list[Switch]]:
+    """Print one run's analysis (and draw its curves when ``draw``); return its JSON entry, its
+    metrics rows and its switches."""
+    rows, adaptations, what = analyse(run, new_threshold=a.new_threshold, old_threshold=a.old_threshold,
                                       smooth=a.smooth)
-    print(f"{a.run}: {what}")
+    print(f"{run}: {what}")
     if not adaptations:
         print("no switch within the logged steps")
     for ad in adaptations:
@@ -274,17 +310,44 @@ def main(argv: list[str] | None = None) -> int:
             old = f"{sw.old} suppressed after {_fmt(ad.suppression, ad.last_step)} (rate < {a.old_threshold})"
         print(f"switch at v{sw.version}: {sw.old} -> {sw.new}: lag {_fmt(ad.lag, ad.last_step)} "
               f"({sw.new} rate > {a.new_threshold}); {old}")
-    out = a.out or a.run / "preference_shift.png"
-    plot(rows, [ad.switch for ad in adaptations], out, f"{a.run.name}: {what}", a.smooth)
-    print(f"curves: {out}")
-    held = heldout_rates(a.run) if a.heldout else []
+    switches = [ad.switch for ad in adaptations]
+    if draw:
+        out = a.out or run / "preference_shift.png"
+        plot(rows, switches, out, f"{run.name}: {what}", a.smooth)
+        print(f"curves: {out}")
+    held = heldout_rates(run) if a.heldout else []
     for name, rates, n in held:
         print(f"held-out {name} ({n} responses): " + ", ".join(f"{s} {rates[s]:.2f}" for s in STYLES))
+    entry = {"run": str(run), "schedule": what, "switches": [asdict(ad) for ad in adaptations],
+             "heldout": [{"file": f, "rates": r, "responses": n} for f, r, n in held]}
+    return entry, rows, switches
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (see the module docstring)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run", type=Path, nargs="+", help="the run directory (metrics.jsonl, config.json); several: "
+                    "compared in one figure")
+    ap.add_argument("--out", type=Path, default=None, help="PNG of the curves (default RUN/preference_shift.png; "
+                    "several runs: preference_shift_compare.png beside the first)")
+    ap.add_argument("--smooth", type=int, default=1, help="trailing mean over N steps first (default 1: raw)")
+    ap.add_argument("--new-threshold", type=float, default=0.5)
+    ap.add_argument("--old-threshold", type=float, default=0.1)
+    ap.add_argument("--heldout", action="store_true", help="also judge the held-out evaluations' responses")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
+    a = ap.parse_args(argv)
+    single = len(a.run) == 1
+    entries, drawn = [], []
+    for run in a.run:
+        entry, rows, switches = report(run, a, draw=single)
+        entries.append(entry)
+        drawn.append((run.name, rows, switches))
+    if not single:
+        out = a.out or a.run[0].parent / "preference_shift_compare.png"
+        plot_compare(drawn, out, a.smooth)
+        print(f"curves: {out}")
     if a.json:
-        a.json.write_text(json.dumps({"run": str(a.run), "schedule": what,
-                                      "switches": [asdict(ad) for ad in adaptations],
-                                      "heldout": [{"file": f, "rates": r, "responses": n} for f, r, n in held]},
-                                     indent=2))
+        a.json.write_text(json.dumps(entries[0] if single else entries, indent=2))
     return 0
 
 

@@ -376,6 +376,22 @@ def test_lag_and_suppression_hand_computed(tmp_path, capsys):
     assert "switch at v4: cute -> chuunibyou: lag 4 versions" in out and "suppressed after 4 versions" in out
     assert (run / "preference_shift.png").stat().st_size > 1000
     assert json.loads((run / "shift.json").read_text())["switches"][0]["lag"] == 4
+    # two runs compared: both analysed, one figure with a panel each and their target rates
+    other = tmp_path / "other"
+    other.mkdir()
+    late = _rows(cute=[0.2, 0.6, 0.9, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3],
+                 chuuni=[0.0, 0.0, 0.0, 0.0, 0.0, 0.1, 0.2, 0.3, 0.4, 0.6])
+    for r in (*rows, *late):
+        r["style/target_rate"] = r["style/cute_rate"] if r["step"] <= 4 else r["style/chuunibyou_rate"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (other / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in late))
+    (other / "config.json").write_text((run / "config.json").read_text())
+    assert ps.main([str(run), str(other), "--json", str(tmp_path / "both.json")]) == 0
+    out = capsys.readouterr().out
+    assert "lag 4 versions" in out and "lag 6 versions" in out  # other: chuunibyou 0.6 > 0.5 at step 10
+    assert (tmp_path / "preference_shift_compare.png").stat().st_size > 1000
+    assert [e["switches"][0]["lag"] for e in json.loads((tmp_path / "both.json").read_text())] == [4, 6]
+    assert [s for s, _ in ps.rate_series(late, "target")] == list(range(1, 11))
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in never))
     assert ps.main([str(run)]) == 0
     assert "cute was below 0.1 already at the switch (rate 0.00): nothing to suppress" in capsys.readouterr().out
