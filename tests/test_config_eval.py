@@ -305,3 +305,44 @@ def test_a_staleness_pinned_action_without_a_bound_is_refused():
         load_config(None, ["monitor.actions.staleness_pinned=lower_eta", "async.eta=0"])
     load_config(None, ["monitor.actions.staleness_pinned=lower_eta", "async.eta=2"])
     load_config(None, ["monitor.actions.staleness_pinned=lower_eta", "async.eta=0", "async.adaptive=true"])
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--n", "0"], "--n must be >= 1 (the first N problems), got 0"),
+    (["--tool", "bogus"], "--tool must be none or calculator, got 'bogus'"),
+    (["-o", "{tmp}"], "--output {tmp} is a directory: give a file path"),
+    (["-o", "{tmp}/afile/x.json"], "--output {tmp}/afile/x.json: {tmp}/afile is a regular file"),
+])
+def test_eval_output_n_and_tool_errors_come_before_the_model_loads(args, needle, tmp_path, monkeypatch):
+    """Fresh-user trial 5: `conveyor eval -o DIR` failed with a traceback after the evaluation (the
+    results lost); --n 0 and --tool bogus were refused only after the model had loaded."""
+    import conveyor.models
+
+    def no_load(*a, **kw):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(conveyor.models, "load_model", no_load)
+    (tmp_path / "afile").write_text("x")
+    out = _cli_fails("eval", "--model", "tiny", *[a.format(tmp=tmp_path) for a in args])
+    assert needle.format(tmp=tmp_path) in out
+
+
+def test_eval_output_that_fails_to_write_keeps_the_summary(tmp_path, monkeypatch):
+    """A write that fails after the evaluation (a full disk, /proc) is one error line, exit 1,
+    after the summary is printed; no half-written file is left."""
+    from typer.testing import CliRunner
+
+    from conveyor.cli import app
+    from conveyor.runtime_files import RunFileError
+
+    def failing(path, text, what=None):
+        raise RunFileError(28, f"no space left writing {path}")
+
+    monkeypatch.setattr("conveyor.runtime_files.atomic_write_text", failing)
+    out_path = tmp_path / "e.json"
+    r = CliRunner().invoke(app, ["eval", "--no-progress", "--model", "tiny", "--n", "1", "--max-new-tokens", "2",
+                                 "-o", str(out_path)])
+    text = " ".join(r.output.split())
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert '"pass_at_1"' in text and f"no space left writing {out_path}" in text
+    assert "the summary above is the result" in text and not out_path.exists()

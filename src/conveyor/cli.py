@@ -225,6 +225,7 @@ def eval_cmd(
     from conveyor.models import ModelLoadError, load_model
     from conveyor.rollout.controller import EpisodesFailedError
     from conveyor.rollout.engine import InferenceEngine, SamplingParams
+    from conveyor.runtime_files import RunFileError, check_output_file
 
     if k < 1:
         _fail(f"--k must be an integer >= 1 (the k of pass@k), got {k}")
@@ -285,6 +286,17 @@ def eval_cmd(
                       f"{'' if env_cfg is None else f', env {env_cfg.name}'}", soft_wrap=True)
     if batch_size < 1:
         _fail(f"--batch-size must be >= 1, got {batch_size}")
+    if n is not None and n < 1:  # checked before the model loads (fresh-user trial 5)
+        _fail(f"--n must be >= 1 (the first N problems), got {n}")
+    if tool not in ("none", "calculator"):
+        _fail(f"--tool must be none or calculator, got {tool!r}")
+    env_part = "" if env_cfg is None else f"__env_{_slug(env_cfg.name)}"
+    init_part = "" if init == "pretrained" else f"__init_{_slug(init)}"  # never overwrites the model's own figure
+    out = output or Path("runs") / "eval" / f"{_slug(model)}__{_slug(dataset)}{env_part}{init_part}.json"
+    try:
+        check_output_file(out, "--output")
+    except RunFileError as e:
+        _fail(str(e))
     engine_device = _engine_options(device, init)
     try:
         SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
@@ -328,12 +340,12 @@ def eval_cmd(
     res.settings_from, res.split_seed, res.init = settings_from, split_seed, init
     # a run's export: the version it holds (random weights hold none)
     res.policy_version = exported.get("policy_version") if init == "pretrained" else None
-    env_part = "" if env_cfg is None else f"__env_{_slug(env_cfg.name)}"
-    init_part = "" if init == "pretrained" else f"__init_{_slug(init)}"  # never overwrites the model's own figure
-    out = output or Path("runs") / "eval" / f"{_slug(model)}__{_slug(dataset)}{env_part}{init_part}.json"
-    res.write_json(out)
     summ = res.summary()
     console.print_json(json.dumps(summ))
+    try:
+        res.write_json(out)
+    except RunFileError as e:  # the figures are above; the per-problem records could not be kept
+        _fail(f"{e} (the summary above is the result; the per-problem records were not written)", code=1)
     console.print(f"written to {out}", soft_wrap=True)
 
 

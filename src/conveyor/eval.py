@@ -190,11 +190,21 @@ class EvalResult:
         return d
 
     def write_json(self, path: str | Path, include_records: bool = True) -> None:
-        """Write the result as JSON (creating parent directories)."""
+        """Write the result as JSON (creating parent directories; atomically: a failed write
+        leaves no half-written file).
+
+        Raises:
+            RunFileError: the file cannot be written (naming it and the OS's reason).
+        """
+        from conveyor.runtime_files import atomic_write_text, describe_os_error
+
         p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise describe_os_error(e, str(p)) from e
         d = asdict(self) if include_records else self.summary()
-        p.write_text(json.dumps(d, indent=2))
+        atomic_write_text(p, json.dumps(d, indent=2), what=str(p))
 
 
 _AGENT_FIELDS = ("env", "max_turns", "max_episode_tokens", "tool_format", "env_options", "turns_mean", "tool_calls_mean", "tool_call_rate",

@@ -147,6 +147,32 @@ def atomic_write_json(
     return atomic_write_text(path, json.dumps(obj, indent=indent, default=str), what=what)
 
 
+def check_output_file(path: str | Path, what: str) -> Path:
+    """Check, without creating anything, that ``path`` can be written as a file: not a
+    directory, not under a regular file, its nearest existing ancestor writable. Run before the
+    work whose result goes there (fresh-user trial 5: ``conveyor eval -o DIR`` failed with a
+    traceback after the evaluation).
+
+    Args:
+        path: The file to be written.
+        what: How to name it in the message (e.g. ``"--output"``).
+
+    Raises:
+        RunFileError: naming ``what`` and the path.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise RunFileError(errno.EISDIR, f"{what} {p} is a directory: give a file path (e.g. {p / 'eval.json'})")
+    anc = p.parent
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise RunFileError(errno.ENOTDIR, f"{what} {p}: {anc} is a regular file, so nothing can be written under it")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise RunFileError(errno.EACCES, f"{what} {p}: {anc} is not writable")
+    return p
+
+
 # ---------------------------------------------------------------------- the run directory
 def check_run_dir(path: str | Path) -> Path:
     """Check, without creating anything, that ``path`` is or can become a writable directory.
