@@ -263,3 +263,23 @@ def test_a_reward_functions_warm_up_runs_at_worker_start_not_in_the_first_calls_
         res = svc.score_sync("3", SAMPLE)
         assert (res.failed, res.score) == (False, 1.0), res  # not a 1 s timeout: the 2 s set-up ran at start
         assert svc.stats["timeouts"] == 0
+
+
+def test_a_ctrl_c_while_workers_still_load_does_not_reach_them():
+    """Fresh-user trial 5: a Ctrl-C reaches the whole process group; a reward worker still
+    importing its reward module (math-verify's parser) died with a KeyboardInterrupt traceback.
+    Workers started from the main thread ignore SIGINT from their first instruction: SIGINT sent
+    to each at once, while it loads, leaves it alive, and it serves the call."""
+    import signal
+
+    with RewardService("correctness", max_workers=2, start_timeout_s=120.0) as svc:
+        procs = [w._proc for w in svc._workers]
+        assert all(p is not None for p in procs)  # spawned in the constructor (the main thread)
+        for p in procs:
+            os.kill(p.pid, signal.SIGINT)
+        res = asyncio.run(svc.score("Answer: 4", Sample("s", "2 + 2?", "4", "t")))
+        assert res.score == 1.0 and not res.failed
+        assert all(p.is_alive() for p in procs) and [w._proc for w in svc._workers] == procs
+        assert svc.stats["worker_restarts"] == 0
+    # the parent's own handler is back: a Ctrl-C still stops the caller
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -40,6 +40,7 @@ call timed out or crashed is ``None`` ("unknown") and counted in ``stats["metric
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import multiprocessing
@@ -50,7 +51,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -205,6 +206,28 @@ class _WorkerStartError(RuntimeError):
     pass
 
 
+@contextlib.contextmanager
+def _sigint_ignored_for_children() -> Iterator[None]:
+    """Processes started inside ignore SIGINT from their first instruction (an ignored signal
+    stays ignored across ``exec``, and Python then installs no ``KeyboardInterrupt`` handler): a
+    Ctrl-C that reaches the whole process group while a worker still imports its reward module
+    (math-verify's parser, seconds) printed a ``KeyboardInterrupt`` traceback from it (fresh-user
+    trial 5). Only the main thread may change a handler; elsewhere this does nothing (the worker
+    ignores SIGINT once its entry point runs). The parent's own Ctrl-C is not lost: SIGINT is
+    blocked meanwhile, so one that arrives stays pending and is delivered when the handler is
+    back."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 class _ProcessWorker:
     """One worker process, restarted after a timeout or a crash."""
 
@@ -215,19 +238,28 @@ class _ProcessWorker:
         self._name = name
         self._proc: Any = None
         self._conn: Any = None
+        self._ready = False  # the process said "ready" (spawned processes may still be loading)
         self.restarts = 0
 
-    def ensure_started(self) -> None:
-        if self._proc is not None and self._proc.is_alive():
-            return
+    def spawn(self) -> None:
+        """Start a new process without waiting for it to load (:meth:`ensure_started` waits);
+        from the main thread it ignores SIGINT from its start (:func:`_sigint_ignored_for_children`)."""
         self._kill()
         parent_conn, child_conn = self._ctx.Pipe()
         proc = self._ctx.Process(
             target=_child_main, args=(child_conn, self._payload), name=self._name, daemon=True
         )
-        proc.start()
+        with _sigint_ignored_for_children():
+            proc.start()
         child_conn.close()
-        self._proc, self._conn = proc, parent_conn
+        self._proc, self._conn, self._ready = proc, parent_conn, False
+
+    def ensure_started(self) -> None:
+        if self._proc is not None and self._ready and self._proc.is_alive():
+            return
+        if self._proc is None or self._ready:  # none yet, or a ready one that died: a new one
+            self.spawn()
+        proc, parent_conn = self._proc, self._conn
         try:
             if not parent_conn.poll(self._start_timeout_s):
                 raise _WorkerStartError(
@@ -246,6 +278,7 @@ class _ProcessWorker:
         if kind != "ready":
             self._kill()
             raise _WorkerStartError(f"reward worker could not load the reward function: {detail}")
+        self._ready = True
 
     def run(self, call: _Call, timeout_s: float) -> tuple[_Outcome, float]:
         self.ensure_started()
@@ -485,6 +518,9 @@ class RewardService:
                 _ProcessWorker(payload, ctx, start_timeout_s, f"reward-{name}-{i}")
                 for i in range(max_workers)
             ]
+            if threading.current_thread() is threading.main_thread():
+                for w in self._workers:  # started here, SIGINT-proof; the dispatchers wait for them
+                    w.spawn()
         else:
             self._workers = [
                 _ThreadWorker(fn, tuple(metric_fns), f"reward-{name}-{i}")
