@@ -23,6 +23,35 @@ TABLE_HEADER = ("| run | updates | training loop | held-out before -> after | bu
                 "| mean staleness | generated tokens/s | engine dtype |\n|---|---|---|---|---|---|---|---|---|")
 
 
+def check_run(run: Path, *, finished: bool = False) -> Path:
+    """``run`` if it is a run directory with a ``metrics.jsonl`` (and, with ``finished``, a
+    ``summary.json``); else SystemExit naming it (fresh-user trial 5: a mistyped run was an
+    empty curve, or a traceback with ``--table``)."""
+    if not run.is_dir():
+        raise SystemExit(f"error: {run}: no such run directory")
+    if not (run / "metrics.jsonl").is_file():
+        raise SystemExit(f"error: {run}: no metrics.jsonl (not a run directory, or no step logged yet)")
+    if finished and not (run / "summary.json").is_file():
+        raise SystemExit(f"error: {run}: no summary.json (the run has not finished; --table needs its totals)")
+    return run
+
+
+def run_elapsed(rows: list[dict]) -> list[float]:
+    """Seconds since the run started for each metrics row, over all its processes: a resumed
+    run's ``time/elapsed_s`` restarts at 0 in each process ``segment``, so each segment is
+    offset by the last elapsed time of the segments before it (the time between a stop and
+    its resume is not counted)."""
+    last: dict[int, float] = {}
+    for r in rows:
+        seg = int(r.get("segment", 0))
+        last[seg] = max(last.get(seg, 0.0), float(r["time/elapsed_s"]))
+    offset, acc = {}, 0.0
+    for seg in sorted(last):
+        offset[seg] = acc
+        acc += last[seg]
+    return [offset[int(r.get("segment", 0))] + float(r["time/elapsed_s"]) for r in rows]
+
+
 def table_row(run: Path, label: str) -> str:
     """One markdown row: the training loop's wall-clock (``summary.json``'s ``wall_seconds``, s),
     held-out pass@1 before and after, the busy fractions, the share of accepted trajectories
@@ -64,6 +93,8 @@ def main() -> None:
     ap.add_argument("--out", default="compare.png")
     ap.add_argument("--table", action="store_true", help="print a markdown table row per run, no plot")
     a = ap.parse_args()
+    for spec in a.runs:  # every run checked before anything is printed or drawn
+        check_run(Path(spec.partition("=")[0]), finished=a.table)
     if a.table:
         print(TABLE_HEADER)
         for spec in a.runs:
@@ -77,12 +108,13 @@ def main() -> None:
         label = label or Path(path).name
         steps = [r["step"] for r in rows]
         axes[0].plot(steps, [r["reward/mean"] for r in rows], label=label)
-        axes[1].plot([r["time/elapsed_s"] for r in rows], steps, label=label)
+        axes[1].plot(run_elapsed(rows), steps, label=label)
         axes[2].plot(steps, [r["busy/trainer"] for r in rows], label=label)
         axes[3].plot(steps, [r["staleness/mean"] for r in rows], label=label)
     for ax, title, xl in zip(axes, ["reward of training batches", "policy version vs wall-clock",
-                                    "trainer-busy fraction (cumulative)", "mean staleness (versions)"],
-                             ["policy version", "seconds", "policy version", "policy version"]):
+                                    "trainer-busy fraction (cumulative per process)", "mean staleness (versions)"],
+                             ["policy version", "seconds (the processes of a resumed run added up)", "policy version",
+                              "policy version"]):
         ax.set_title(title)
         ax.set_xlabel(xl)
         ax.legend()

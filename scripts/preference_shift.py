@@ -336,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heldout", action="store_true", help="also judge the held-out evaluations' responses")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     a = ap.parse_args(argv)
+    if a.smooth < 1:  # a usage error, not a traceback (fresh-user trial 5)
+        ap.error(f"--smooth must be >= 1 (a trailing mean over N steps), got {a.smooth}")
     single = len(a.run) == 1
     entries, drawn = [], []
     for run in a.run:

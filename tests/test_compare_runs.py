@@ -42,3 +42,31 @@ def test_table_row_reports_wall_clock_accuracy_busy_drops_staleness_and_tokens_p
     old = mod.table_row(_run(tmp_path, "b", {"rollout/dropped_stale": 16.0, "rollout/episodes_accepted": 20}), "b")
     assert "| 10.0% (16) |" in old
     assert mod.TABLE_HEADER.count("\n") == 1 and mod.TABLE_HEADER.split("\n")[0].count("|") == row.count("|")
+
+
+def test_a_resumed_runs_wall_clock_adds_up_its_processes_and_bad_runs_are_named(tmp_path, monkeypatch, capsys):
+    """Fresh-user trial 5: a resumed run's curve went back in time at each resume (its
+    ``time/elapsed_s`` restarts in each process ``segment``); a mistyped run was an empty curve
+    (plot) or a traceback (``--table``)."""
+    import sys
+
+    import pytest
+
+    mod = _module()
+    rows = [{"step": 1, "time/elapsed_s": 0.7, "segment": 0}, {"step": 2, "time/elapsed_s": 0.9, "segment": 0},
+            {"step": 3, "time/elapsed_s": 0.6, "segment": 1}, {"step": 4, "time/elapsed_s": 1.4, "segment": 1},
+            {"step": 5, "time/elapsed_s": 0.5, "segment": 2}]
+    assert mod.run_elapsed(rows) == pytest.approx([0.7, 0.9, 1.5, 2.3, 2.8])  # offsets 0, 0.9, 0.9 + 1.4
+    assert mod.run_elapsed([{"step": 1, "time/elapsed_s": 3.0}]) == [3.0]  # runs from before segments
+    run = _run(tmp_path, "a", {})
+    for args, needle in ([[str(tmp_path / "nope"), str(run)], "nope: no such run directory"],
+                         [[str(tmp_path)], "no metrics.jsonl"],
+                         [[str(tmp_path / "nope"), "--table"], "nope: no such run directory"]):
+        monkeypatch.setattr(sys, "argv", ["compare_runs.py", *args])
+        with pytest.raises(SystemExit, match=needle):
+            mod.main()
+    assert "| run |" not in capsys.readouterr().out  # nothing printed before the error
+    (run / "summary.json").unlink()
+    monkeypatch.setattr(sys, "argv", ["compare_runs.py", str(run), "--table"])
+    with pytest.raises(SystemExit, match="no summary.json"):
+        mod.main()

@@ -404,6 +404,9 @@ def test_lag_and_suppression_hand_computed(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
         ps.main([str(tmp_path / "empty")])
+    with pytest.raises(SystemExit) as e:  # a usage error (exit 2), not a traceback
+        ps.main([str(run), "--smooth", "0"])
+    assert e.value.code == 2 and "--smooth must be >= 1" in capsys.readouterr().err
 
 
 def test_a_missing_judge_model_is_a_clear_error_naming_the_install(monkeypatch):
