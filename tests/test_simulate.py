@@ -1,6 +1,7 @@
 """The discrete-event simulator on hand-checkable cases (issue 5)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -356,6 +357,10 @@ def test_cli_simulate_config_errors_are_formatted_like_train(tmp_path):
     assert "has an empty key" in fails(str(p), "=3")
     assert "the config file must come before the overrides (conveyor simulate other.yaml eta=4)" in fails(
         str(p), "eta=4", "other.yaml")
+    # fresh-user trial 5: a training config gave a list of "unknown key" lines
+    out = fails(str(Path(__file__).resolve().parents[1] / "configs" / "sao.yaml"))
+    assert "is a `conveyor train` config (sections critic, loss), not a simulator config" in out
+    assert "configs/simulate/" in out and "unknown key" not in out
 
 
 def test_a_critic_warm_up_is_simulated_before_the_updates_and_calibrated(tmp_path):
