@@ -430,3 +430,22 @@ def test_training_a_finished_run_longer_from_an_older_checkpoint_keeps_its_expor
     assert json.loads((run / "export" / "conveyor.json").read_text())["policy_version"] == 4
     resume = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "resume"]
     assert "export (policy version 3) -> export.superseded" in resume[-1]["superseded_files"]
+
+
+@pytest.mark.parametrize("total, needle", [
+    (4, "finished at version 4 (trainer.total_steps=4): nothing to do"),
+    (3, "finished at version 4 (trainer.total_steps=3 is not beyond it): nothing to do"),
+])
+def test_a_finished_runs_resume_says_whose_total_steps_it_names(tmp_path, total, needle):
+    """Fresh-user trial 5: `--resume RUN trainer.total_steps=3` on a run finished at 4 printed
+    "(trainer.total_steps=3)" as if it were the run's setting. A higher total is no finished run."""
+    from rich.console import Console
+
+    from conveyor.config import load_config
+    from conveyor.rundir import finished_result
+
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 4, "interrupted": False, "wall_seconds": 1.0}))
+    console = Console(record=True, width=400)
+    res = finished_result(tmp_path, load_config(None, [f"trainer.total_steps={total}"]), console)
+    assert res is not None and res.steps == 4 and needle in console.export_text()
+    assert finished_result(tmp_path, load_config(None, ["trainer.total_steps=5"]), console) is None

@@ -255,9 +255,11 @@ def finished_result(run_dir: Path, cfg: TrainConfig, console) -> TrainResult | N
     ):
         return None
     again = unsaved_final_versions(run_dir, latest_checkpoint(run_dir))
+    # fresh-user trial 5: an override below the run's steps read as if it were the run's setting
+    why = (f"trainer.total_steps={cfg.trainer.total_steps}" if cfg.trainer.total_steps == s["steps"]
+           else f"trainer.total_steps={cfg.trainer.total_steps} is not beyond it")
     console.print(
-        f"{run_dir} finished at version {s['steps']} (trainer.total_steps="
-        f"{cfg.trainer.total_steps}): nothing to do, nothing changed. To train longer: "
+        f"{run_dir} finished at version {s['steps']} ({why}): nothing to do, nothing changed. To train longer: "
         f"conveyor train --resume {run_dir} trainer.total_steps=N (N > {s['steps']})"
         + (f"; note: {again}" if again else ""), soft_wrap=True
     )
