@@ -346,3 +346,15 @@ def test_eval_output_that_fails_to_write_keeps_the_summary(tmp_path, monkeypatch
     assert r.exit_code == 1 and "Traceback" not in r.output, r.output
     assert '"pass_at_1"' in text and f"no space left writing {out_path}" in text
     assert "the summary above is the result" in text and not out_path.exists()
+
+
+def test_an_override_through_a_scalar_section_names_where_the_file_set_it(tmp_path):
+    """Fresh-user trial 5: with `trainer: 5` in a config file, `trainer.total_steps=1` said only
+    "'trainer' is not a section", with no file or line."""
+    p = tmp_path / "scal.yaml"
+    p.write_text("model:\n  name: tiny\ntrainer: 5\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, ["trainer.total_steps=1"])
+    assert str(e.value) == f"override 'trainer.total_steps': 'trainer' is not a section (it is 5, set at {p} line 3)"
+    with pytest.raises(ConfigError, match=r"'model.name' is not a section \(it is 'tiny', set at .* line 2\)"):
+        load_config(p, ["model.name.x=1"])

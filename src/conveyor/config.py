@@ -1028,13 +1028,19 @@ def format_validation_error(e: ValidationError, src: str, what: str = "config",
     return f"invalid {what} ({src}):\n" + "\n".join(lines)
 
 
-def _set_dotted(d: dict, key: str, value: Any) -> None:
+def _set_dotted(d: dict, key: str, value: Any, key_lines: dict[str, str] | None = None) -> None:
+    """Set ``d[a][b]... = value`` for ``key`` ``a.b...``; a path through a value that is not a
+    section is a :class:`ConfigError` naming the value and, from ``key_lines``, where the config
+    file set it (fresh-user trial 5: ``trainer: 5`` in a file blamed the override only)."""
     parts = key.split(".")
     cur = d
-    for p in parts[:-1]:
+    for i, p in enumerate(parts[:-1]):
         nxt = cur.setdefault(p, {})
         if not isinstance(nxt, dict):
-            raise ConfigError(f"override {key!r}: {p!r} is not a section")
+            path = ".".join(parts[: i + 1])
+            where = (key_lines or {}).get(path)
+            raise ConfigError(f"override {key!r}: {path!r} is not a section (it is {nxt!r}"
+                              + (f", set at {where}" if where else "") + ")")
         cur = nxt
     cur[parts[-1]] = value
 
@@ -1075,7 +1081,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {p}: top level must be a mapping, got {type(data).__name__}")
     for item in overrides or []:
         k, v = split_override(item, others=overrides)
-        _set_dotted(data, k, _parse_value(v))
+        _set_dotted(data, k, _parse_value(v), key_lines)
         src += f" + {item}"
         # a key the command line set (or a section it replaced) is not the file's any more
         key_lines = {fk: w for fk, w in key_lines.items() if not (fk == k or fk.startswith(k + "."))}
