@@ -358,3 +358,20 @@ def test_an_override_through_a_scalar_section_names_where_the_file_set_it(tmp_pa
     assert str(e.value) == f"override 'trainer.total_steps': 'trainer' is not a section (it is 5, set at {p} line 3)"
     with pytest.raises(ConfigError, match=r"'model.name' is not a section \(it is 'tiny', set at .* line 2\)"):
         load_config(p, ["model.name.x=1"])
+
+
+def test_answer_graded_rewards_on_a_set_without_answers_are_refused_and_a_style_schedule_needs_its_reward():
+    """Fresh-user trial 5: configs/preference_shift.yaml with reward.fn=correctness trained on
+    prompts whose answers are all "" (every reward 0) without a word."""
+    from conveyor.data import DatasetError, load_dataset
+    from conveyor.preflight import config_warnings, require_answers
+
+    styles = load_dataset("styles:train")
+    with pytest.raises(DatasetError, match=r"data.train=styles:train: every sample's answer is empty, and "
+                                           r"reward.fn=correctness grades the answer.*reward.fn=style"):
+        require_answers(styles, "styles:train", "correctness")
+    require_answers(styles, "styles:train", "style")  # the style judge reads no answer
+    require_answers(load_dataset("mawps:singleop:train"), "mawps:singleop:train", "math")
+    base = ["data.train=styles:train", "data.heldout=styles:heldout", "data.style_schedule=[cute]"]
+    assert any("does not judge styles" in w for w in config_warnings(load_config(None, [*base, "reward.fn=format"])))
+    assert not any("does not judge styles" in w for w in config_warnings(load_config(None, [*base, "reward.fn=style"])))

@@ -151,6 +151,23 @@ def require_samples(
     raise DatasetError(f"data.train={spec}: the data set has no samples")
 
 
+def require_answers(samples: Sequence[Sample], spec: str, reward_fn: str) -> None:
+    """Refuse a training set whose answers are all empty for a reward that grades the answer
+    (the built-in ``math`` / ``correctness``): every reward would be 0 (fresh-user trial 5: the
+    preference-shift prompts, which have no answers, trained with ``reward.fn=correctness``).
+
+    Raises:
+        DatasetError: naming ``data.train`` and ``reward.fn``.
+    """
+    if reward_fn.strip() not in ("math", "correctness") or not samples:
+        return
+    if all(not str(s.answer).strip() for s in samples):
+        hint = " (a style set: reward.fn=style, configs/preference_shift.yaml)" if _family(spec) == "styles" else ""
+        raise DatasetError(f"data.train={spec}: every sample's answer is empty, and reward.fn={reward_fn} grades the "
+                           f"answer: every reward would be 0, nothing could be learned; choose a reward that fits "
+                           f"the data{hint}")
+
+
 def _family(spec: str) -> str:
     """A data spec's source, e.g. ``guess`` of ``guess:train?high=10``, ``mawps`` of ``mawps:singleop:train``."""
     return spec.split("?", 1)[0].split(":", 1)[0]
@@ -194,6 +211,9 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
         if changed:
             out.append(f"env.{', env.'.join(changed)} set, but env.name=none (the single-turn workflow): they are "
                        "ignored (set env.name to guess, math_python or package.module:factory)")
+    if cfg.data.style_schedule and cfg.reward.fn.strip() not in ("style", "conveyor.rewards.styles:style_reward"):
+        out.append(f"data.style_schedule set, but reward.fn={cfg.reward.fn} does not judge styles: the target stamped "
+                   "on every prompt is never read (reward.fn=style is the preference-shift task's reward)")
     out.extend(_ignored_settings(cfg))
     if cfg.rollout.temperature == 0 and cfg.rollout.group_size == 1:
         out.append(

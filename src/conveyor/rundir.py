@@ -35,7 +35,12 @@ from conveyor.checkpoint import (
 )
 from conveyor.config import TrainConfig, load_config
 from conveyor.eval import export_policy_version
-from conveyor.preflight import check_prompt_lengths, config_warnings, require_samples
+from conveyor.preflight import (
+    check_prompt_lengths,
+    config_warnings,
+    require_answers,
+    require_samples,
+)
 from conveyor.prompts import resolve_instruction
 from conveyor.runlog import (
     EVENTS,
@@ -419,6 +424,7 @@ def preflight_samples(cfg: TrainConfig, train_samples, heldout, tokenizer, polic
         budget,
     )
     require_samples(train_samples, cfg.data.train, rep)
+    require_answers(train_samples, cfg.data.train, cfg.reward.fn)
     warnings = rep.messages(
         f"data.train={cfg.data.train}", budget_key
     ) + config_warnings(cfg)
