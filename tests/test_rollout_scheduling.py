@@ -470,6 +470,8 @@ def test_lowering_eta_mid_run_throttles_admission_and_drops_nothing_admitted():
     assert sorted(groups[:2]) == ["e1#0", "e2#0"] and groups[2] == "e0#0"
     assert buf.stats()["dropped_stale"] == 0 and c.take_not_trained() == []
     assert state["buffer"] == [] and state["buffer_eta"] == []
+    cnt = c.counters()  # trajectories: accepted = trained (3 batches of 2) + buffered + dropped
+    assert cnt["rollout/trajectories_accepted"] == 2 * cnt["rollout/episodes_accepted"] == 6 + cnt["rollout/buffered"]
 
 
 def test_controller_checkpoint_keeps_each_groups_admission_bound():

@@ -587,12 +587,20 @@ class RolloutController:
         self._poke()
 
     def counters(self) -> dict[str, float]:
-        """Controller counters as metrics (``rollout/...``; counts are cumulative over the run)."""
+        """Controller counters as metrics (``rollout/...``; counts are cumulative over the run).
+
+        Units (fresh-user trial 5: mixed without a word): ``episodes_*`` and ``groups_*`` count
+        episodes, one per prompt, each a group of ``group_size`` trajectories;
+        ``trajectories_accepted``, ``running``, ``buffered``, ``dropped_stale``,
+        ``reward_failures`` count trajectories (``trajectories_accepted`` = ``episodes_accepted``
+        x ``group_size`` = trained + ``buffered`` + ``dropped_stale``, up to the batches taken
+        but not yet trained); ``prompts_too_long`` samples; ``expiring_*`` batches."""
         s = self.stats
         buf = self.buffer.stats()
         return {
             "rollout/episodes_started": s.episodes_started,
             "rollout/episodes_accepted": s.episodes_accepted,
+            "rollout/trajectories_accepted": s.trajectories_accepted,
             "rollout/episodes_rejected": s.episodes_rejected,
             "rollout/episodes_failed": s.episodes_failed,
             "rollout/groups_filtered": s.groups_filtered,
