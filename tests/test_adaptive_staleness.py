@@ -344,3 +344,28 @@ def test_buffer_waits_for_expiring_groups_by_their_own_bound():
     assert buf.last_held_back is False
     # v 4 with c (expires v 6) and d (expires v 5): nothing expiring buffered, 2 pending fit: wait
     assert buf.get_batch(4, 4, pending_expiring=2) is None and buf.last_held_back is True
+
+
+def test_buffer_hands_out_the_earliest_deadline_first():
+    """asyppo.md, the fixed adaptive run: with eta raised 2 -> 3 and lowered again, a group
+    admitted under eta 2 waited behind same-age groups admitted under eta 3 (oldest first) and was
+    dropped. Earliest deadline first (age + bound) takes it before them; with one bound the order
+    is oldest first, as before."""
+    from conveyor.rollout.buffer import TrajectoryBuffer
+
+    buf = TrajectoryBuffer(eta=2)
+    buf.put(_group(1, "wide1"), eta=3)       # deadline 4
+    buf.put(_group(1, "wide2"), eta=3)       # deadline 4
+    buf.put(_group(1, "narrow"), eta=2)      # deadline 3: inserted last, taken first
+    buf.put(_group(0, "old"), eta=3)         # deadline 3, older: first of all
+    assert [t.group_id for t in buf.get_batch(2, 3)] == ["old#0", "narrow#0"]
+    assert buf.drop_stale(4) == 0            # the wide groups are still within their bound at 4
+    assert [t.group_id for t in buf.get_batch(2, 4)] == ["wide1#0", "wide2#0"]
+    one = TrajectoryBuffer(eta=2)            # one bound: oldest first, then insertion order
+    for v, gid in ((3, "c"), (1, "a"), (2, "b"), (1, "a2")):
+        one.put(_group(v, gid))
+    assert [t.group_id for t in one.get_batch(4, 3)] == ["a#0", "a2#0", "b#0", "c#0"]
+    unbounded = TrajectoryBuffer(eta=2)      # an unbounded group has no deadline: last
+    unbounded.put(_group(0, "free"), eta=None)
+    unbounded.put(_group(1, "bounded"))
+    assert [t.group_id for t in unbounded.get_batch(1, 2)] == ["bounded#0"]

@@ -68,8 +68,9 @@ class TrajectoryBuffer:
       (:class:`~conveyor.rollout.staleness.StalenessManager`) admits by the new bound, and the
       groups admitted under the old one are trained within the old one (asyppo.md: judged by
       the lowered bound, every decrease of an adaptive run threw a batch away).
-    - :meth:`get_batch` hands out the oldest groups first (by age, then insertion order);
-      each trajectory is handed out at most once.
+    - :meth:`get_batch` hands out the groups whose deadline (age + bound) comes first, then
+      the oldest (by age, then insertion order; with one bound this is oldest-first); each
+      trajectory is handed out at most once.
 
     Args:
         eta: Maximum staleness in policy versions (>= 0), or None for unbounded.
@@ -190,13 +191,16 @@ class TrajectoryBuffer:
 
     def get_batch(self, n_trajectories: int, current_version: int, *,
                   pending_expiring: int = 0) -> list[Trajectory] | None:
-        """Hand out exactly ``n_trajectories`` trajectories from the oldest fresh groups, or None.
+        """Hand out exactly ``n_trajectories`` trajectories from the fresh groups whose deadline
+        comes first, or None.
 
-        First drops stale groups (as :meth:`drop_stale`). Then walks the groups oldest first
-        (by age, then insertion order) and takes each whole group that still fits
-        (``total + len(group) <= n_trajectories``), skipping a group that would overflow.
-        Groups are never split. If the taken groups add up to exactly ``n_trajectories`` they
-        are removed and returned (flattened, oldest group first); otherwise nothing is removed
+        First drops stale groups (as :meth:`drop_stale`). Then walks the groups earliest
+        deadline first (age + the group's bound, then age, then insertion order:
+        :meth:`_deadline_order`; with one bound for every group that is oldest first) and takes
+        each whole group that still fits (``total + len(group) <= n_trajectories``), skipping a
+        group that would overflow. Groups are never split. If the taken groups add up to exactly
+        ``n_trajectories`` they
+        are removed and returned (flattened, in the order taken); otherwise nothing is removed
         and None is returned (not enough yet, or no combination of whole groups makes exactly
         ``n``). When every group size divides ``n_trajectories`` (the usual case: fixed group
         size ``G`` and ``B`` a multiple of ``G``) this is exactly oldest-first.
@@ -242,7 +246,8 @@ class TrajectoryBuffer:
             # a batch could have formed but waits for the expiring groups (the controller times it)
             self.last_held_back = bool(wait and self._size >= n_trajectories)
             if self._size >= n_trajectories and not wait:
-                for idx, (_, _, group, _) in enumerate(self._groups):
+                for idx in self._deadline_order():
+                    group = self._groups[idx][2]
                     if total + len(group) <= n_trajectories:
                         taken.append(idx)
                         total += len(group)
@@ -250,7 +255,7 @@ class TrajectoryBuffer:
                             break
             if total == n_trajectories:
                 batch = [t for idx in taken for t in self._groups[idx][2]]
-                for idx in reversed(taken):
+                for idx in sorted(taken, reverse=True):
                     del self._groups[idx]
                 self._size -= total
                 self._stats["handed_out"] += total
@@ -351,6 +356,22 @@ class TrajectoryBuffer:
             return {"groups": len(self._groups), "trajectories": self._size, **self._stats}
 
     # ---------------------------------------------------------------- internals
+    def _deadline_order(self) -> list[int]:
+        """Indices of the groups, earliest deadline first: a group's deadline is the last version
+        it may be trained at, ``age + bound`` (unbounded: never), then by age and insertion order.
+        With one bound for all groups this is oldest-first. With mixed admission bounds (eta
+        raised and lowered), oldest-first let a group admitted under the lower bound wait behind
+        same-age groups of a higher one until it was stale (asyppo.md, the fixed adaptive run);
+        by the capacity rule every group with deadline <= D is among the first (D + 1) x B
+        trajectories admitted, so taking them by deadline trains every one that has finished by
+        then by version D."""
+        def key(i: int) -> tuple[float, int, int]:
+            age, seq, _, admitted = self._groups[i]
+            bound = self._bound(admitted)
+            return (float("inf") if bound is None else age + bound, age, seq)
+
+        return sorted(range(len(self._groups)), key=key)
+
     def _bound(self, admitted: int | None) -> int | None:
         """The bound a group admitted under ``admitted`` is judged by now (None: unbounded)."""
         if admitted is None or self._eta is None:
