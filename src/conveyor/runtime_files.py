@@ -147,6 +147,13 @@ def atomic_write_json(
     return atomic_write_text(path, json.dumps(obj, indent=indent, default=str), what=what)
 
 
+def _nearest_existing(p: Path) -> Path:
+    """``p`` or its nearest ancestor that exists (what a write there would be created under)."""
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
 def check_output_file(path: str | Path, what: str) -> Path:
     """Check, without creating anything, that ``path`` can be written as a file: not a
     directory, not under a regular file, its nearest existing ancestor writable. Run before the
@@ -163,9 +170,7 @@ def check_output_file(path: str | Path, what: str) -> Path:
     p = Path(path)
     if p.is_dir():
         raise RunFileError(errno.EISDIR, f"{what} {p} is a directory: give a file path (e.g. {p / 'eval.json'})")
-    anc = p.parent
-    while not anc.exists() and anc != anc.parent:
-        anc = anc.parent
+    anc = _nearest_existing(p.parent)
     if not anc.is_dir():
         raise RunFileError(errno.ENOTDIR, f"{what} {p}: {anc} is a regular file, so nothing can be written under it")
     if not os.access(anc, os.W_OK | os.X_OK):
@@ -186,9 +191,7 @@ def check_run_dir(path: str | Path) -> Path:
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise RunFileError(errno.ENOTDIR, f"run.dir={p} is a file, not a directory")
-    anc = p
-    while not anc.exists() and anc != anc.parent:
-        anc = anc.parent
+    anc = _nearest_existing(p)
     if not anc.is_dir():
         raise RunFileError(
             errno.ENOTDIR,

@@ -797,11 +797,6 @@ def validate_sim_config(data: dict[str, Any], src: str) -> SimConfig:
         raise ConfigError(format_validation_error(e, src, what="simulator config")) from e
 
 
-# top-level sections of a training config that a simulator config never has
-_TRAIN_ONLY_SECTIONS = frozenset({"model", "data", "asynchronous", "async", "reward", "loss", "critic", "lora", "run",
-                                  "runtime", "monitor", "log", "env"})
-
-
 def load_sim_config(path: str | Path, overrides: list[str] | None = None) -> SimConfig:
     """Read a YAML / JSON simulator config and apply ``key.sub=value`` overrides (values parsed as
     YAML, e.g. ``eta=4``, ``rollout.workers=64``).
@@ -818,9 +813,13 @@ def load_sim_config(path: str | Path, overrides: list[str] | None = None) -> Sim
     data = yaml.safe_load(p.read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{p}: a simulator config must be a mapping, got {type(data).__name__}")
-    train_only = sorted(set(data) & _TRAIN_ONLY_SECTIONS)
+    from conveyor.config import ConfigError, TrainConfig
+
+    # top-level sections of a training config (field names and their file spellings, e.g. async)
+    # that a simulator config never has
+    train_sections = {n for name, f in TrainConfig.model_fields.items() for n in (name, f.alias) if n}
+    train_only = sorted(set(data) & (train_sections - set(SimConfig.model_fields)))
     if train_only:  # fresh-user trial 5: a list of "unknown key" lines said nothing of what went wrong
-        from conveyor.config import ConfigError
 
         raise ConfigError(
             f"{p} is a `conveyor train` config (sections {', '.join(train_only)}), not a simulator config: "

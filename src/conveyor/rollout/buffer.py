@@ -28,6 +28,15 @@ IN_FORCE = object()
 """``put(group, eta=IN_FORCE)``: the group was admitted under the bound in force now."""
 
 
+def judged_bound(admitted: int | None, in_force: int | None) -> int | None:
+    """The staleness bound work admitted under ``admitted`` is judged by while ``in_force`` is
+    the bound: the larger of the two, None (unbounded) when either is (a lowered bound throttles
+    admission only; :class:`TrajectoryBuffer`)."""
+    if admitted is None or in_force is None:
+        return None
+    return max(admitted, in_force)
+
+
 def group_version(group: Sequence[Trajectory]) -> int:
     """Age of a group: the oldest policy version among all its response tokens.
 
@@ -306,13 +315,9 @@ class TrajectoryBuffer:
         or a larger admission bound); None when any is unbounded. Data kept for the buffered
         groups (old-log-prob patches) must live this long."""
         with self._cond:
-            if self._eta is None:
-                return None
             widest = self._eta
             for _, _, _, admitted in self._groups:
-                if admitted is None:
-                    return None
-                widest = max(widest, admitted)
+                widest = judged_bound(admitted, widest)
             return widest
 
     # ---------------------------------------------------------------- waiting and stats
@@ -374,9 +379,7 @@ class TrajectoryBuffer:
 
     def _bound(self, admitted: int | None) -> int | None:
         """The bound a group admitted under ``admitted`` is judged by now (None: unbounded)."""
-        if admitted is None or self._eta is None:
-            return None
-        return max(admitted, self._eta)
+        return judged_bound(admitted, self._eta)
 
     def _drop_stale_locked(self, current_version: int) -> int:
         """Drop stale groups (lock held); return the number of trajectories dropped."""

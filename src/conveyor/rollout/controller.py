@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from conveyor.data import DatasetError
-from conveyor.rollout.buffer import IN_FORCE, TrajectoryBuffer
+from conveyor.rollout.buffer import IN_FORCE, TrajectoryBuffer, judged_bound
 from conveyor.rollout.engine import PromptTooLongError
 from conveyor.rollout.old_logprobs import OldLogprobBook
 from conveyor.rollout.staleness import StalenessManager
@@ -272,9 +272,7 @@ class RolloutController:
         widest = self.buffer.widest_bound()
         with self._lock:
             for eta in self._admitted_eta.values():
-                if widest is None or eta is None:
-                    return None
-                widest = max(widest, eta)
+                widest = judged_bound(eta, widest)
         return widest
 
     def set_eta(self, eta: int | None) -> None:
@@ -307,8 +305,8 @@ class RolloutController:
         with self._lock:
             n = 0
             for eid, v in self._admitted_at.items():
-                admitted = self._admitted_eta.get(eid, now)
-                if admitted is not None and v == version - max(admitted, now):
+                bound = judged_bound(self._admitted_eta.get(eid, now), now)
+                if bound is not None and v == version - bound:
                     n += 1
             return self.group_size * n
 

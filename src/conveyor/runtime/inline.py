@@ -52,7 +52,6 @@ from conveyor.runtime.publish import Publisher, publisher_for, tracks_partials
 from conveyor.runtime.record import RunClock, StepRecorder, batch_metrics
 from conveyor.runtime.steering import RunSteering
 from conveyor.runtime.step import LocalRollout, run_step
-from conveyor.runtime_files import atomic_write
 from conveyor.trainer.trainer import NonFiniteLossError, Trainer
 
 log = logging.getLogger(__name__)
@@ -125,7 +124,7 @@ def heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logge
             eval_engine.stop()
             del model, eval_engine
     res.policy_version = version  # which policy the file measured (conveyor inspect compares it)
-    atomic_write(run_dir / f"eval_{label}.json", res.write_json)  # never a half-written file
+    res.write_json(run_dir / f"eval_{label}.json")  # atomic: never a half-written file
     # version: the latest log step (the policy version; k - W during a critic warm-up of W steps)
     logger.event("eval", label=label, **{k: v for k, v in res.summary().items() if not isinstance(v, dict)},
                  **{f"metric_{k}": v for k, v in res.metrics_mean.items()})  # e.g. metric_style_cute
