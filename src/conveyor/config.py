@@ -866,7 +866,7 @@ class TrainConfig(_Strict):
     def _check_style_schedule(self) -> TrainConfig:
         """The preference-shift task: the style reward needs target styles to judge against, and
         its judge's model must be installed (refused here rather than as every reward failing)."""
-        if self.reward.fn.strip() in ("style", "conveyor.rewards.styles:style_reward"):
+        if self.reward.fn.strip() in STYLE_REWARD_FNS:
             if not self.data.style_schedule:
                 raise ValueError(f"reward.fn={self.reward.fn} judges each response against the target style in "
                                  "force; set data.style_schedule (e.g. [cute, chuunibyou, classical]) and "
@@ -1026,6 +1026,10 @@ def format_validation_error(e: ValidationError, src: str, what: str = "config",
         line = f"  {loc}: {msg}" if f"got {got!r}" in msg else f"  {loc}: {msg} (got {got!r})"
         lines.append(line if where is None else f"{line} [{where}]")
     return f"invalid {what} ({src}):\n" + "\n".join(lines)
+
+
+STYLE_REWARD_FNS = ("style", "conveyor.rewards.styles:style_reward")
+"""The ``reward.fn`` spellings of the preference-shift task's style judge."""
 
 
 def _set_dotted(d: dict, key: str, value: Any, key_lines: dict[str, str] | None = None) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from conveyor.config import DataConfig, TrainConfig
+from conveyor.config import STYLE_REWARD_FNS, DataConfig, TrainConfig
 from conveyor.data import DatasetError
 from conveyor.prompts import build_messages, build_prompt_ids
 from conveyor.types import Sample
@@ -211,7 +211,7 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
         if changed:
             out.append(f"env.{', env.'.join(changed)} set, but env.name=none (the single-turn workflow): they are "
                        "ignored (set env.name to guess, math_python or package.module:factory)")
-    if cfg.data.style_schedule and cfg.reward.fn.strip() not in ("style", "conveyor.rewards.styles:style_reward"):
+    if cfg.data.style_schedule and cfg.reward.fn.strip() not in STYLE_REWARD_FNS:
         out.append(f"data.style_schedule set, but reward.fn={cfg.reward.fn} does not judge styles: the target stamped "
                    "on every prompt is never read (reward.fn=style is the preference-shift task's reward)")
     out.extend(_ignored_settings(cfg))
