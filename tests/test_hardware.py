@@ -91,3 +91,32 @@ def test_resume_keeps_the_precision_auto_chose_at_the_start(tmp_path, monkeypatc
         + json.dumps({"event": "precision", "bf16": False, "note": "trainer.bf16=auto: bf16 autocast off"}) + "\n")
     assert recorded_bf16(old) is False
     assert recorded_bf16(tmp_path / "none") is None
+
+
+def test_set_own_thread_count_changes_the_calling_thread_only():
+    """A worker thread's count (the dedicated old-logit worker, the reference scorer) must not
+    become the default of threads started later (it did for the dedicated worker: a later
+    thread got the worker's count)."""
+    import threading
+
+    import torch
+
+    from conveyor.hardware import set_own_thread_count
+
+    default = torch.get_num_threads()
+    want = 1 if default != 1 else 2
+    inside, later = [], []
+
+    def worker():
+        set_own_thread_count(want)
+        inside.append(torch.get_num_threads())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert inside == [want] and later == [default] and torch.get_num_threads() == default
+    with pytest.raises(ValueError, match=">= 1"):
+        set_own_thread_count(0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 
 import torch
@@ -91,3 +92,30 @@ def resolve_bf16(setting: bool | str, device: str = "cpu", recorded: bool | None
     use = s >= BF16_MIN_SPEEDUP
     return use, (f"trainer.bf16=auto: bf16 autocast {'on' if use else 'off'} (a bf16 matrix "
                  f"product runs {s:.2f}x the speed of fp32 on this {device})")
+
+
+def set_own_thread_count(n: int) -> None:
+    """Set the calling thread's intra-op thread count to ``n``, leaving torch's process-wide
+    default as it was. ``torch.set_num_threads`` sets both the caller's OpenMP / MKL count and a
+    default that threads read lazily on their first ATen op, so a worker thread calling it would
+    change the count of every thread started later (the evaluation's, a test's); the default is
+    put back from a short-lived helper thread, as the engine's decode thread does
+    (:meth:`InferenceEngine._set_thread_count
+    <conveyor.rollout.engine.local.InferenceEngine._set_thread_count>`). Call it first in the
+    thread it is for.
+
+    Args:
+        n: Intra-op threads (>= 1).
+
+    Raises:
+        ValueError: ``n`` < 1.
+    """
+    if n < 1:
+        raise ValueError(f"thread count must be >= 1, got {n}")
+    default = torch.get_num_threads()  # this thread's lazy initialisation reads the default
+    if n == default:
+        return
+    torch.set_num_threads(n)
+    helper = threading.Thread(target=torch.set_num_threads, args=(default,))
+    helper.start()
+    helper.join()

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from conveyor.hardware import set_own_thread_count
 from conveyor.sync import WeightUpdate, apply_update
 from conveyor.trainer.corrections import interpolated_proximal, interpolation_alpha
 
@@ -294,7 +295,7 @@ class Dedicated(PartialSync):
     def _loop(self) -> None:
         import time
 
-        torch.set_num_threads(self.threads)
+        set_own_thread_count(self.threads)  # (the process-wide default stays as it was)
         try:
             while True:
                 job = self._jobs.get()
