@@ -57,8 +57,9 @@ def fingerprint(model0: torch.nn.Module, loss_kw: dict, trainer_kw: dict) -> lis
 
 # train/optimizer_steps: optimiser steps taken in the update (0 when no token carries loss)
 ADDED_METRICS = {"train/optimizer_steps"}
-# advantage/*: where the advantages went by length and position (conveyor.trainer.credit), reporting only
-ADDED_PREFIXES = ("advantage/",)
+# advantage/*: where the advantages went by length and position (conveyor.trainer.credit), reporting only;
+# reference/*: the share of the KL reference's log-probs scored before the update (conveyor.trainer.reference)
+ADDED_PREFIXES = ("advantage/", "reference/")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -480,6 +480,11 @@ class TrainerConfig(_Strict):
     max_nonfinite_in_a_row: int = Field(default=3, ge=1)
     num_threads: int | None = Field(default=None, ge=1, description="trainer intra-op threads (default: auto, see run.threads)")
     separate_proximal_pass: bool = Field(default=False, description="always compute pi_prox in its own forward pass (with minibatches=1 the gradient pass's detached log-probs are identical and are reused)")
+    reference_scoring: Literal["update", "idle_engine"] = Field(
+        default="update", description="where the KL reference's log-probs (loss.kl_coef > 0) are computed: in the update's "
+                                      "score phase, or idle_engine: a background thread scores buffered trajectories while the "
+                                      "local engine has nothing to run, on its cores (conveyor.trainer.reference; the update "
+                                      "computes whatever was not scored; inline runtime, one engine, no LoRA, one process)")
     activation_checkpointing: bool = Field(
         default=False, description="recompute transformer-layer activations in the backward pass: less memory, ~30% more trainer time")
     optimizer_foreach: bool | None = Field(
@@ -734,6 +739,18 @@ class TrainConfig(_Strict):
                                  "ratio, the controller could never change the bound; set async.eta_max >= 1, or "
                                  "async.adaptive=false async.eta=0 for a synchronous run")
         _check_monitor_actions(self)
+        if self.trainer.reference_scoring == "idle_engine":
+            why = [w for w, bad in (
+                (f"runtime.name={self.runtime.name} (the scorer borrows the in-process engine's idle cores; inline only)",
+                 self.runtime.name != "inline"),
+                (f"rollout.num_engines={self.rollout.num_engines} (one engine's idle time)", self.rollout.num_engines > 1),
+                ("lora.enabled=true (the reference is the policy with its adapters disabled, not a frozen copy)",
+                 self.lora.enabled),
+                (f"trainer.world_size={self.trainer.world_size} (one trainer process)", self.trainer.world_size > 1),
+            ) if bad]
+            if why:
+                raise ValueError("trainer.reference_scoring=idle_engine does not work with " + "; ".join(why)
+                                 + ": set trainer.reference_scoring=update")
         if self.rollout.elastic_threads and self.runtime.name != "inline":
             raise ValueError("rollout.elastic_threads=true needs runtime.name=inline (the engine borrows the "
                              "trainer's threads in one process; a Ray actor's engine has its own CPUs)")

@@ -52,6 +52,7 @@ from conveyor.runtime.publish import Publisher, publisher_for, tracks_partials
 from conveyor.runtime.record import RunClock, StepRecorder, batch_metrics
 from conveyor.runtime.steering import RunSteering
 from conveyor.runtime.step import LocalRollout, run_step
+from conveyor.trainer.reference import ReferenceScorer
 from conveyor.trainer.trainer import NonFiniteLossError, Trainer
 
 log = logging.getLogger(__name__)
@@ -341,9 +342,26 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
     # rollout.elastic_threads: the trainer's threads (this thread's intra-op count) are lent to the
     # engine while the trainer waits for a batch
     elastic = (engine, engine_threads, engine_threads + torch.get_num_threads()) if cfg.rollout.elastic_threads else None
-    rollout = LocalRollout(controller, buffer, elastic=elastic)
+    rollout = LocalRollout(controller, buffer, elastic=elastic,
+                           reference=reference_scorer(cfg, trainer, engine, buffer, engine_threads, ctx))
     publisher = publisher_for(trainer.proximal, engine, rollout)
     return RolloutSide(engine, reward_service, buffer, controller, rollout, publisher, B)
+
+
+def reference_scorer(cfg: TrainConfig, trainer: Trainer, engine, buffer: TrajectoryBuffer, engine_threads: int,
+                     ctx: RunContext) -> ReferenceScorer | None:
+    """``trainer.reference_scoring=idle_engine``: a started
+    :class:`~conveyor.trainer.reference.ReferenceScorer` over the trainer's frozen reference
+    policy that scores the buffered trajectories while ``engine`` idles, with the engine's thread
+    count (stopped with the run); None otherwise or without a KL reference (``loss.kl_coef=0``)."""
+    if cfg.trainer.reference_scoring != "idle_engine" or getattr(trainer, "reference_model", None) is None:
+        return None
+    scorer = ReferenceScorer(trainer.reference_model, trainer.scoring_spec(),
+                             source=lambda: [t for g in buffer.snapshot() for t in g], idle=lambda: engine.idle,
+                             threads=engine_threads, share_prompts=trainer.shares_prompts)
+    scorer.start()
+    ctx.stack.callback(scorer.stop)
+    return scorer
 
 
 def critic_warmup(trainer: Trainer, cfg: TrainConfig, parts: RolloutSide, logger: MetricsLogger, run_dir: Path,
@@ -572,6 +590,9 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
             if interrupted else None
         controller.stop()
         publisher.stop()
+        stop_scoring = getattr(parts.rollout, "stop_reference_scoring", None)  # LocalRollout's
+        if stop_scoring is not None:
+            stop_scoring()
         ctx.phase = "the final checkpoint"
         final_checkpoint(run_dir, trainer, controller, logger, cfg, error, interrupted)
         ctx.interrupts.end_graceful()  # from here a Ctrl-C stops at once

@@ -75,12 +75,17 @@ class LocalRollout:
             plus the waiting trainer's), and with ``own`` again once the batch is there, before
             the update runs (:meth:`InferenceEngine.set_num_threads
             <conveyor.rollout.engine.local.InferenceEngine.set_num_threads>`). None: fixed threads.
+        reference: A :class:`~conveyor.trainer.reference.ReferenceScorer` that scores the KL
+            reference's log-probs of buffered trajectories while the engine idles
+            (``trainer.reference_scoring=idle_engine``): its values are attached to each batch as
+            it is handed out. None: the update scores them.
     """
 
-    def __init__(self, controller, buffer, elastic: tuple | None = None):
+    def __init__(self, controller, buffer, elastic: tuple | None = None, reference=None):
         self.controller = controller
         self.buffer = buffer
         self.elastic = elastic
+        self.reference = reference
 
     def next_batch(self, n: int, version: int, *, health=None, stop=None) -> list[Trajectory] | None:
         if self.elastic is not None:  # lend the trainer's cores to the engine for the wait
@@ -92,10 +97,21 @@ class LocalRollout:
         finally:
             if self.elastic is not None:
                 engine.set_num_threads(own)
-        return None if batch is None else self.controller.hand_out(batch)
+        if batch is None:
+            return None
+        batch = self.controller.hand_out(batch)
+        if self.reference is not None:
+            self.reference.attach(batch)
+        return batch
 
     def set_version(self, version: int) -> None:
         self.controller.set_version(version)
+
+    def stop_reference_scoring(self) -> None:
+        """Stop the reference scorer's thread (idempotent; nothing without one). The training
+        loop calls it when training ends: after the last update there is nothing to score for."""
+        if self.reference is not None:
+            self.reference.stop()
 
     def buffered(self) -> list[Trajectory]:
         return [t for g in self.buffer.snapshot() for t in g]
@@ -104,7 +120,12 @@ class LocalRollout:
         self.controller.apply_old_logprobs(patches)
 
     def counters(self) -> dict[str, float]:
-        return self.controller.counters()
+        out = self.controller.counters()
+        if self.reference is not None:  # cumulative, like the controller's counters
+            st = self.reference.stats
+            out.update({"reference/scored_trajectories": float(st.scored), "reference/attached_trajectories": float(st.attached),
+                        "reference/scorer_busy_s": st.busy_seconds, "reference/scorer_forwards": float(st.forwards)})
+        return out
 
     def take_not_trained(self) -> list[dict]:
         return self.controller.take_not_trained()

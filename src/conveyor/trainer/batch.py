@@ -63,6 +63,9 @@ class PackedBatch:
         old_logprobs: ``[R, L]`` float32, training-side log-probs of the target token under the
             version that sampled it, where partial-rollout sync recorded one
             (``trajectory.metadata["old_logprobs"]``); NaN elsewhere.
+        reference_logprobs: ``[R, L]`` float32, the KL reference's log-probs of the target
+            token where they were scored before the update (``trajectory.metadata
+            ["reference_logprobs"]``, :mod:`conveyor.trainer.reference`); NaN elsewhere.
         attention_mask: ``[R, 1, L, L]`` bool (True = may attend) when a row holds a shared-prompt
             unit; None otherwise (block-diagonal attention from ``position_ids``).
         support: ``(ids [N] int64, offsets [R * L + 1] int64)``, the kept set of each position's
@@ -84,6 +87,7 @@ class PackedBatch:
     seq_index: torch.Tensor
     indices: list[int]
     old_logprobs: torch.Tensor | None = None
+    reference_logprobs: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
     support: tuple[torch.Tensor, torch.Tensor] | None = None
     response_index: torch.Tensor | None = None
@@ -174,6 +178,8 @@ def _append_segment(row: dict[str, list], t: Trajectory, a: float, s: int, seg: 
         sz[p - 1 : p - 1 + r] = t.sampling_mask.sizes().tolist()
         row["sid"].append(t.sampling_mask.token_ids)
     old = t.metadata.get("old_logprobs") or ()
+    ref = t.metadata.get("reference_logprobs") or ()
+    f = [math.nan] * n
     act = t.action_mask
     for k in range(r):
         m[p + k - 1] = 1.0 if act is None or act[k] else 0.0  # observations carry no loss
@@ -181,10 +187,13 @@ def _append_segment(row: dict[str, list], t: Trajectory, a: float, s: int, seg: 
         v[p + k - 1] = int(t.versions[k])
         if k < len(old):
             o[p + k - 1] = float(old[k])
+        if k < len(ref):
+            f[p + k - 1] = float(ref[k])
     row["msk"] += m
     row["blp"] += b
     row["ver"] += v
     row["old"] += o
+    row["ref"] += f
     row["adv"] += [a * x for x in m]
     row["seq"] += [s] * n
     row["seg"] += [seg] * n
@@ -201,8 +210,8 @@ def unit_members(item: int | tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _pack_row(trajectories: list[Trajectory], advantages: torch.Tensor, items: list, s0: int) -> dict[str, list]:
-    row: dict[str, list] = {k: [] for k in ("ids", "pos", "tgt", "msk", "blp", "ver", "adv", "seq", "old", "seg", "att",
-                                            "ssz", "sid", "rix")}
+    row: dict[str, list] = {k: [] for k in ("ids", "pos", "tgt", "msk", "blp", "ver", "adv", "seq", "old", "ref", "seg",
+                                            "att", "ssz", "sid", "rix")}
     s, seg = s0, 0
     for item in items:
         members = unit_members(item)
@@ -228,6 +237,7 @@ def _pack_row(trajectories: list[Trajectory], advantages: torch.Tensor, items: l
         row["blp"] += [0.0] * n
         row["ver"] += [-1] * n
         row["old"] += [math.nan] * n
+        row["ref"] += [math.nan] * n
         row["adv"] += [0.0] * n
         row["seq"] += [s] * n
         row["seg"] += [prefix_seg] * n
@@ -306,7 +316,7 @@ def pack(trajectories: list[Trajectory], advantages: torch.Tensor, rows: list[li
         s0 += len(members)
     shared = any(isinstance(item, tuple) and len(item) > 1 for idx in rows for item in idx)
     L = max(len(r["ids"]) for r in built)
-    pad_vals = {"ids": 0, "tgt": 0, "msk": 0.0, "blp": 0.0, "ver": -1, "adv": 0.0, "seq": -1, "old": math.nan, "att": -1,
+    pad_vals = {"ids": 0, "tgt": 0, "msk": 0.0, "blp": 0.0, "ver": -1, "adv": 0.0, "seq": -1, "old": math.nan, "ref": math.nan, "att": -1,
                 "ssz": 0, "rix": -1}
     for r in built:
         n_pad = L - len(r["ids"])
@@ -343,6 +353,7 @@ def pack(trajectories: list[Trajectory], advantages: torch.Tensor, rows: list[li
         seq_index=mat("seq", torch.long),
         indices=flat,
         old_logprobs=mat("old", torch.float32),
+        reference_logprobs=mat("ref", torch.float32),
         attention_mask=attention_mask,
         support=support,
         response_index=mat("rix", torch.long),

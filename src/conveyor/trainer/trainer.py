@@ -53,6 +53,7 @@ from conveyor.trainer.logprobs import ScoringSpec, token_logprobs, zero_loss
 from conveyor.trainer.lora import inference_copy
 from conveyor.trainer.objectives import ObjectiveInputs, get_objective
 from conveyor.trainer.proximal import build_strategy
+from conveyor.trainer.reference import attached_reference
 from conveyor.trainer.updater import Updater
 from conveyor.types import Trajectory
 
@@ -172,6 +173,9 @@ class Scores:
         value_seconds: Wall-clock seconds of the critic's value forward passes in this phase.
         reference_seconds: Wall-clock seconds of the reference policy's forward passes (the KL
             penalty's ``log pi_ref``): not proximal-policy cost, logged as ``time/reference_s``.
+        reference_tokens / reference_precomputed_tokens: Action tokens given ``log pi_ref``, and
+            how many of them came scored before the update (``trainer.reference_scoring``,
+            :mod:`conveyor.trainer.reference`) instead of from a forward pass of this phase.
     """
 
     proximal: list[torch.Tensor | None]
@@ -181,6 +185,8 @@ class Scores:
     returns: list[torch.Tensor | None] = field(default_factory=list)
     value_seconds: float = 0.0
     reference_seconds: float = 0.0
+    reference_tokens: int = 0
+    reference_precomputed_tokens: int = 0
     value_std: list[torch.Tensor | None] = field(default_factory=list)
     entropy_keep: list[torch.Tensor | None] = field(default_factory=list)
     critic_values: list[torch.Tensor | None] = field(default_factory=list)
@@ -626,6 +632,20 @@ class Trainer:
         lp, _ = self._logprobs(self.ref_model, mb)
         return lp
 
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether a group's responses are packed with their prompt once per row
+        (``trainer.share_prompts`` and an attention implementation that takes a 4-D mask)."""
+        return self.cfg.share_prompts and self._mask_capable
+
+    @property
+    def reference_model(self) -> torch.nn.Module | None:
+        """The KL penalty's frozen reference policy (a copy of the initial policy; eval mode, no
+        gradients), for a component that scores it elsewhere (:mod:`conveyor.trainer.reference`:
+        it only runs forward passes on it). None without ``loss.kl_coef > 0`` and with LoRA (the
+        reference is then the policy itself with its adapters disabled)."""
+        return self.ref_model
+
     def scoring_spec(self) -> ScoringSpec:
         """How this trainer computes log-probs (temperature, precision, chunking, packing), for
         the components that score old log-probs with other weights (the paused engine, the
@@ -689,6 +709,8 @@ class Trainer:
         metrics["time/proximal_s"] = time.perf_counter() - t_prox - scores.value_seconds - scores.reference_seconds
         if self.has_reference:
             metrics["time/reference_s"] = scores.reference_seconds
+            # share of the KL reference's log-probs scored before the update (trainer.reference_scoring)
+            metrics["reference/precomputed_frac"] = scores.reference_precomputed_tokens / max(1, scores.reference_tokens)
         if fold:  # values, advantages and the K critic updates in one phase, before the policy update
             t_critic = time.perf_counter()
             metrics.update(self.critic_phase(batch, scores))
@@ -725,7 +747,7 @@ class Trainer:
         """Phase 1: the batch as packed micro-batches (advantages still 0) with their loss
         aggregation weights (``loss.aggregation``)."""
         cfg, lc = self.cfg, self.loss_cfg
-        if cfg.share_prompts and self._mask_capable:  # a group's prompt once per row (batch.py, "Shared prompts")
+        if self.shares_prompts:  # a group's prompt once per row (batch.py, "Shared prompts")
             units = group_shared_prompts(trajectories, min(cfg.pack_row_tokens, cfg.micro_batch_tokens))
         else:
             units = list(range(len(trajectories)))
@@ -780,7 +802,13 @@ class Trainer:
                         scores.proximal[j] = self.proximal.from_forward(cur, mb, self.version)
                 if self.has_reference and not values_only:
                     t_r = time.perf_counter()
-                    scores.reference[j] = self._reference_logprobs(mb)
+                    n_tok = mb.num_tokens
+                    scores.reference[j] = attached_reference(mb)  # scored before the update, if so
+                    if scores.reference[j] is None:
+                        scores.reference[j] = self._reference_logprobs(mb)
+                    else:
+                        scores.reference_precomputed_tokens += n_tok
+                    scores.reference_tokens += n_tok
                     scores.reference_seconds += time.perf_counter() - t_r
                 if self.critic is not None and not skip_values:
                     t_v = time.perf_counter()

@@ -349,6 +349,15 @@ class InferenceEngine:
             return self._thread is not None and not self._stopped and self._failure is None
 
     @property
+    def idle(self) -> bool:
+        """True when the decode thread has nothing to run: no waiting, running or re-encoding
+        request and no pending weight update (paused counts as idle). A hint for work that
+        borrows the engine's cores (:mod:`conveyor.trainer.reference`); it may change right
+        after it is read. Thread-safe, no lock (reads of counters and containers)."""
+        return not (self._waiting or self._running_count or self._reencode or self._updates
+                    or self._batch is not None)
+
+    @property
     def paused(self) -> bool:
         """True between :meth:`pause` and :meth:`resume`."""
         return self._paused

@@ -1,0 +1,208 @@
+"""The KL reference's log-probs scored off the update while the engine idles
+(``trainer.reference_scoring=idle_engine``, :mod:`conveyor.trainer.reference`, issue 16)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+import time
+
+import pytest
+import torch
+from test_trainer import make_trajs, reference_logprobs
+
+from conveyor.config import LossConfig, TrainConfig, TrainerConfig
+from conveyor.trainer.batch import pack
+from conveyor.trainer.reference import ReferenceScorer, attached_reference, score_reference
+from conveyor.trainer.trainer import Trainer
+
+
+def _trainer(tiny, kl_coef=0.05, **trainer_kw):
+    return Trainer(copy.deepcopy(tiny.model), TrainerConfig(lr=1e-3, warmup_steps=0, bf16=False, **trainer_kw),
+                   LossConfig(kl_coef=kl_coef))
+
+
+def _with_observation(trajs):
+    """The first trajectory's second response token becomes an observation (a tool result)."""
+    t = trajs[0]
+    t.action_mask = [1] * len(t.response_ids)
+    t.action_mask[1] = 0
+    return trajs
+
+
+@pytest.mark.parametrize("share_prompts", [True, False])
+def test_score_reference_gives_each_action_tokens_log_prob_under_the_reference(tiny, share_prompts):
+    tr = _trainer(tiny)
+    trajs = _with_observation(make_trajs(8, group=4, shared_prompts=True))
+    got = score_reference(tr.scoring_spec(), tr.reference_model, trajs, share_prompts=share_prompts)
+    assert [len(v) for v in got] == [len(t.response_ids) for t in trajs]
+    for t, vals in zip(trajs, got, strict=True):
+        want = reference_logprobs(tiny.model, t)  # one unpacked forward pass of the initial policy
+        for k, v in enumerate(vals):
+            if t.action_mask is not None and not t.action_mask[k]:
+                assert math.isnan(v)  # an observation token: no loss, no KL term
+            else:
+                assert v == pytest.approx(float(want[k]), abs=1e-5)
+
+
+def test_attached_reference_is_used_only_when_every_action_token_has_one(tiny):
+    trajs = make_trajs(3)
+    vals = [[-1.0 - 0.1 * k for k in range(len(t.response_ids))] for t in trajs]
+    for t, v in zip(trajs, vals, strict=True):
+        t.metadata["reference_logprobs"] = v
+    mb = pack(trajs, torch.zeros(3), [[0, 1, 2]])
+    ref = attached_reference(mb)
+    on = mb.mask > 0
+    assert torch.equal(ref[~on], torch.zeros_like(ref[~on]))
+    assert sorted(ref[on].tolist()) == pytest.approx(sorted(x for v in vals for x in v))
+    del trajs[1].metadata["reference_logprobs"]  # one trajectory without: the update scores all
+    assert attached_reference(pack(trajs, torch.zeros(3), [[0, 1, 2]])) is None
+    assert attached_reference(pack(make_trajs(2), torch.zeros(2), [[0, 1]])) is None
+    empty = make_trajs(1)  # no action token (every response token an observation): the pass runs
+    empty[0].action_mask = [0] * len(empty[0].response_ids)
+    empty[0].metadata["reference_logprobs"] = [math.nan] * len(empty[0].response_ids)
+    assert attached_reference(pack(empty, torch.zeros(1), [[0]])) is None
+
+
+def test_the_update_uses_attached_reference_values(tiny):
+    """Correct attached values change nothing computed and count as precomputed; wrong ones reach
+    the KL term (so they are really the ones used). The second update of each trainer is compared:
+    after one update the policy differs from the reference (KL > 0)."""
+    first, second = make_trajs(8, group=4, shared_prompts=True), make_trajs(8, group=4, seed=1, shared_prompts=True)
+
+    def second_update(values=None):
+        tr = _trainer(tiny)
+        tr.train_step(copy.deepcopy(first))
+        batch = copy.deepcopy(second)
+        if values == "right":
+            values = score_reference(tr.scoring_spec(), tr.reference_model, batch)
+        for t, v in zip(batch, values, strict=True) if values else ():
+            t.metadata["reference_logprobs"] = v
+        return tr.train_step(batch)
+
+    plain = second_update()
+    assert plain["reference/precomputed_frac"] == 0.0
+    assert plain["train/kl_ref"] > 1e-6
+    got = second_update("right")
+    assert got["reference/precomputed_frac"] == 1.0
+    assert got["train/kl_ref"] == pytest.approx(plain["train/kl_ref"], rel=1e-4)
+    assert got["train/grad_norm"] == pytest.approx(plain["train/grad_norm"], rel=1e-4)
+    off = second_update([[-1.0] * len(t.response_ids) for t in second])
+    assert off["reference/precomputed_frac"] == 1.0
+    assert off["train/kl_ref"] > plain["train/kl_ref"] + 0.1
+
+
+def _wait(cond, timeout=30.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_scorer_scores_buffered_trajectories_only_while_the_engine_idles(tiny):
+    tr = _trainer(tiny)
+    trajs = make_trajs(8, group=4, shared_prompts=True)
+    buffered = list(trajs)
+    idle = threading.Event()
+    scorer = ReferenceScorer(tr.reference_model, tr.scoring_spec(), source=lambda: list(buffered),
+                             idle=idle.is_set, micro_batch_tokens=40, poll_s=0.01)
+    scorer.start()
+    try:
+        time.sleep(0.3)
+        assert scorer.stats.scored == 0  # the engine is busy: nothing runs
+        idle.set()
+        assert _wait(lambda: scorer.stats.scored == len(trajs))
+        assert scorer.stats.forwards >= 2  # 40-token micro-batches: more than one pass
+        assert scorer.error is None
+        batch, buffered[:] = buffered[:5], buffered[5:]  # five handed out
+        assert scorer.attach(batch) == 5
+        want = score_reference(tr.scoring_spec(), tr.reference_model, trajs)
+        for t, w in zip(batch, want[:5], strict=True):
+            assert t.metadata["reference_logprobs"] == pytest.approx(w, abs=1e-5)
+        assert all("reference_logprobs" not in t.metadata for t in buffered)
+        assert scorer.pending() == 3 and scorer.stats.attached == 5
+        time.sleep(0.2)
+        assert scorer.stats.scored == len(trajs)  # nothing scored twice
+    finally:
+        scorer.stop()
+    assert scorer._thread is None
+
+
+def test_scorer_forgets_results_of_trajectories_that_left_the_buffer(tiny):
+    tr = _trainer(tiny)
+    buffered = make_trajs(2)
+    scorer = ReferenceScorer(tr.reference_model, tr.scoring_spec(), source=lambda: list(buffered),
+                             idle=lambda: True, poll_s=0.01, forget_s=0.2)
+    scorer.start()
+    try:
+        assert _wait(lambda: scorer.pending() == 2)
+        gone = buffered.pop()  # dropped as stale: never handed out
+        assert _wait(lambda: scorer.pending() == 1, timeout=5)
+        assert scorer.attach([gone]) == 0
+    finally:
+        scorer.stop()
+
+
+def test_scorer_arguments_are_checked(tiny):
+    tr = _trainer(tiny)
+    for kw, field in (({"threads": 0}, "threads"), ({"micro_batch_tokens": 0}, "micro_batch_tokens"),
+                      ({"poll_s": 0}, "poll_s")):
+        with pytest.raises(ValueError, match=field):
+            ReferenceScorer(tr.reference_model, tr.scoring_spec(), source=list, idle=lambda: True, **kw)
+
+
+@pytest.mark.parametrize("override, named", [
+    ({"runtime": {"name": "ray"}}, "runtime.name=ray"),
+    ({"rollout": {"num_engines": 2}}, "rollout.num_engines=2"),
+    ({"lora": {"enabled": True}}, "lora.enabled=true"),
+])
+def test_idle_engine_scoring_refuses_what_it_cannot_serve(override, named):
+    with pytest.raises(ValueError, match="trainer.reference_scoring=idle_engine") as e:
+        TrainConfig.model_validate({"trainer": {"reference_scoring": "idle_engine"}, **override})
+    assert named in str(e.value)
+    TrainConfig.model_validate({"trainer": {"reference_scoring": "idle_engine"}})
+
+
+def test_engine_idle_reflects_waiting_and_running_requests(tiny):
+    from conveyor.rollout.engine import InferenceEngine, SamplingParams
+
+    engine = InferenceEngine(copy.deepcopy(tiny.model), tiny.tokenizer, max_batch_size=4, seed=0)
+    engine.start()
+    try:
+        assert _wait(lambda: engine.idle, timeout=5)
+        engine.pause()
+        fut = engine.submit([5, 6, 7], SamplingParams(max_new_tokens=4, temperature=1.0))
+        assert not engine.idle  # a waiting request
+        engine.resume()
+        fut.result(timeout=30)
+        assert _wait(lambda: engine.idle, timeout=5)
+    finally:
+        engine.stop()
+
+
+def test_a_run_with_idle_engine_scoring_trains_on_precomputed_reference_values(tmp_path):
+    """The inline runtime wires the scorer: it scores buffered trajectories while the engine
+    idles, the values reach the updates, and the run ends cleanly (the thread stopped)."""
+    import json
+
+    from test_train_e2e import BASE
+
+    from conveyor.config import load_config
+    from conveyor.train import run_training
+
+    run = tmp_path / "r"
+    cfg = load_config(None, BASE + ["trainer.total_steps=6", "async.eta=2", "loss.kl_coef=0.05",
+                                    "trainer.reference_scoring=idle_engine", f"run.dir={run}",
+                                    "run.eval_before=false", "run.eval_after=false"])
+    res = run_training(cfg)
+    assert res.steps == 6 and not res.interrupted
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(0.0 <= r["reference/precomputed_frac"] <= 1.0 for r in rows)
+    last = rows[-1]
+    assert last["reference/attached_trajectories"] <= last["reference/scored_trajectories"]
+    assert last["reference/attached_trajectories"] > 0
+    assert any(r["reference/precomputed_frac"] > 0 for r in rows)
+    assert not [t for t in threading.enumerate() if t.name == "conveyor-reference"]
