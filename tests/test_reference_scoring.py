@@ -14,7 +14,7 @@ from test_trainer import make_trajs, reference_logprobs
 
 from conveyor.config import LossConfig, TrainConfig, TrainerConfig
 from conveyor.trainer.batch import pack
-from conveyor.trainer.reference import ReferenceScorer, attached_reference, score_reference
+from conveyor.trainer.reference import ReferenceScorer, reference_from_attached, score_reference
 from conveyor.trainer.trainer import Trainer
 
 
@@ -46,23 +46,40 @@ def test_score_reference_gives_each_action_tokens_log_prob_under_the_reference(t
                 assert v == pytest.approx(float(want[k]), abs=1e-5)
 
 
-def test_attached_reference_is_used_only_when_every_action_token_has_one(tiny):
+def test_reference_from_attached_fills_in_only_the_trajectories_without_values():
     trajs = make_trajs(3)
     vals = [[-1.0 - 0.1 * k for k in range(len(t.response_ids))] for t in trajs]
     for t, v in zip(trajs, vals, strict=True):
         t.metadata["reference_logprobs"] = v
+    n_tok = [len(t.response_ids) for t in trajs]
+    calls = []
+
+    def missing(seqs):
+        calls.append(seqs)
+        return [[7.0] * n_tok[s] for s in seqs]
+
     mb = pack(trajs, torch.zeros(3), [[0, 1, 2]])
-    ref = attached_reference(mb)
     on = mb.mask > 0
+    ref, pre = reference_from_attached(mb, missing)
+    assert calls == [] and pre == sum(n_tok)  # every value attached: nothing scored
     assert torch.equal(ref[~on], torch.zeros_like(ref[~on]))
-    assert sorted(ref[on].tolist()) == pytest.approx(sorted(x for v in vals for x in v))
-    del trajs[1].metadata["reference_logprobs"]  # one trajectory without: the update scores all
-    assert attached_reference(pack(trajs, torch.zeros(3), [[0, 1, 2]])) is None
-    assert attached_reference(pack(make_trajs(2), torch.zeros(2), [[0, 1]])) is None
+    for s in range(3):
+        here = (mb.seq_index == s) & on
+        assert ref[here].tolist() == pytest.approx([vals[s][k] for k in mb.response_index[here].tolist()])
+
+    del trajs[1].metadata["reference_logprobs"]  # trajectory 1 without: only it is scored
+    mb = pack(trajs, torch.zeros(3), [[0, 1, 2]])
+    ref, pre = reference_from_attached(mb, missing)
+    assert calls == [[1]] and pre == n_tok[0] + n_tok[2]
+    assert ref[(mb.seq_index == 1) & (mb.mask > 0)].tolist() == [7.0] * n_tok[1]
+    assert ref[(mb.seq_index == 2) & (mb.mask > 0)].tolist() == pytest.approx(vals[2])
+
+    assert reference_from_attached(pack(make_trajs(2), torch.zeros(2), [[0, 1]]), missing) is None  # none attached
     empty = make_trajs(1)  # no action token (every response token an observation): the pass runs
     empty[0].action_mask = [0] * len(empty[0].response_ids)
     empty[0].metadata["reference_logprobs"] = [math.nan] * len(empty[0].response_ids)
-    assert attached_reference(pack(empty, torch.zeros(1), [[0]])) is None
+    assert reference_from_attached(pack(empty, torch.zeros(1), [[0]]), missing) is None
+    assert len(calls) == 1
 
 
 def test_the_update_uses_attached_reference_values(tiny):
@@ -75,10 +92,12 @@ def test_the_update_uses_attached_reference_values(tiny):
         tr = _trainer(tiny)
         tr.train_step(copy.deepcopy(first))
         batch = copy.deepcopy(second)
-        if values == "right":
-            values = score_reference(tr.scoring_spec(), tr.reference_model, batch)
+        if values in ("right", "first half"):
+            right = score_reference(tr.scoring_spec(), tr.reference_model, batch)
+            values = right if values == "right" else right[:4] + [None] * 4
         for t, v in zip(batch, values, strict=True) if values else ():
-            t.metadata["reference_logprobs"] = v
+            if v is not None:
+                t.metadata["reference_logprobs"] = v
         return tr.train_step(batch)
 
     plain = second_update()
@@ -88,6 +107,11 @@ def test_the_update_uses_attached_reference_values(tiny):
     assert got["reference/precomputed_frac"] == 1.0
     assert got["train/kl_ref"] == pytest.approx(plain["train/kl_ref"], rel=1e-4)
     assert got["train/grad_norm"] == pytest.approx(plain["train/grad_norm"], rel=1e-4)
+    half = second_update("first half")  # the others are scored in the update
+    assert half["reference/precomputed_frac"] == pytest.approx(
+        sum(len(t.response_ids) for t in second[:4]) / sum(len(t.response_ids) for t in second))
+    assert half["train/kl_ref"] == pytest.approx(plain["train/kl_ref"], rel=1e-4)
+    assert half["train/grad_norm"] == pytest.approx(plain["train/grad_norm"], rel=1e-4)
     off = second_update([[-1.0] * len(t.response_ids) for t in second])
     assert off["reference/precomputed_frac"] == 1.0
     assert off["train/kl_ref"] > plain["train/kl_ref"] + 0.1

@@ -8,9 +8,10 @@ a finished trajectory can be computed by anyone at any time before the update th
 :class:`ReferenceScorer` is a background thread that scores buffered trajectories while the local
 engine has nothing to run (``trainer.reference_scoring=idle_engine``), and hands the values over as
 the batch leaves the rollout side (:meth:`ReferenceScorer.attach`: ``metadata["reference_logprobs"]``,
-as the old-log-prob book attaches its patches). The trainer uses attached values and computes the
-rest itself (:meth:`conveyor.trainer.trainer.Trainer.score`), so the scorer never delays an update:
-at worst it scored nothing and the update is what it was.
+as the old-log-prob book attaches its patches). The trainer uses attached values and scores only
+the trajectories without them (:func:`reference_from_attached`, in
+:meth:`conveyor.trainer.trainer.Trainer.score`), so the scorer never delays an update: at worst it
+scored nothing and the update is what it was.
 
 What it must never do: take the engine's core while the engine has work (it checks before every
 forward pass, so an admission waits at most one pass of ``micro_batch_tokens``), change the numbers
@@ -45,7 +46,7 @@ from conveyor.types import Trajectory
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ReferenceScorer", "ReferenceScorerStats", "attached_reference", "score_reference"]
+__all__ = ["ReferenceScorer", "ReferenceScorerStats", "reference_from_attached", "score_reference"]
 
 
 @dataclass
@@ -280,18 +281,39 @@ def score_reference(spec, model: torch.nn.Module, trajectories: list[Trajectory]
     return [v if v is not None else [] for v in out]
 
 
-def attached_reference(mb) -> torch.Tensor | None:
-    """The micro-batch's reference log-probs scored before the update, ``[R, L]`` float32 with 0
-    off the loss mask (as a forward pass of the update gives them), when every action token has
-    one (``mb.reference_logprobs``, packed from ``metadata["reference_logprobs"]``); None
-    otherwise, and for a micro-batch without action tokens (the update then scores the whole
-    micro-batch itself)."""
+def reference_from_attached(mb, score_missing: Callable[[list[int]], list[list[float]]]
+                            ) -> tuple[torch.Tensor, int] | None:
+    """The micro-batch's reference log-probs ``[R, L]`` float32 (0 off the loss mask, as a
+    forward pass of the update gives them) built from the values scored before the update
+    (``mb.reference_logprobs``, packed from ``metadata["reference_logprobs"]``), the trajectories
+    without them scored by ``score_missing``; and how many action tokens came precomputed.
+
+    Args:
+        mb: A :class:`~conveyor.trainer.batch.PackedBatch`.
+        score_missing: Called once, only when some trajectory of ``mb`` lacks values, with their
+            sequence indices ``s`` (``mb.seq_index``; trajectory ``mb.indices[s]`` of the step's
+            batch); returns one list per index, a value per response token (:func:`score_reference`).
+
+    Returns:
+        ``(values, precomputed action tokens)``, or None when no trajectory of ``mb`` has values
+        or ``mb`` has no action token (the caller runs its own pass over the whole micro-batch;
+        a micro-batch without action tokens, e.g. data parallelism's padding copy, always does:
+        every process of a group takes part in the same forward passes).
+    """
     ref = mb.reference_logprobs
     if ref is None:
         return None
     on = mb.mask > 0
-    # (a micro-batch without action tokens, e.g. data parallelism's padding copy, runs its pass:
-    # every process of a group takes part in the same forward passes)
-    if not bool(on.any()) or not bool(torch.isfinite(ref[on]).all()):
+    have = torch.isfinite(ref) & on
+    if not bool(on.any()) or not bool(have.any()):
         return None
-    return torch.where(on, ref, torch.zeros_like(ref))
+    out = torch.where(have, ref, torch.zeros_like(ref))
+    missing = on & ~have
+    redone = torch.zeros_like(on)
+    if bool(missing.any()):
+        seqs = sorted(set(mb.seq_index[missing].tolist()))
+        for s, vals in zip(seqs, score_missing(seqs), strict=True):
+            pos = (mb.seq_index == s) & on
+            out[pos] = torch.tensor([vals[k] for k in mb.response_index[pos].tolist()], dtype=out.dtype)
+            redone |= pos
+    return out, int((have & ~redone).sum())

@@ -53,7 +53,7 @@ from conveyor.trainer.logprobs import ScoringSpec, token_logprobs, zero_loss
 from conveyor.trainer.lora import inference_copy
 from conveyor.trainer.objectives import ObjectiveInputs, get_objective
 from conveyor.trainer.proximal import build_strategy
-from conveyor.trainer.reference import attached_reference
+from conveyor.trainer.reference import reference_from_attached, score_reference
 from conveyor.trainer.updater import Updater
 from conveyor.types import Trajectory
 
@@ -646,6 +646,18 @@ class Trainer:
         reference is then the policy itself with its adapters disabled)."""
         return self.ref_model
 
+    def _attached_reference(self, mb: PackedBatch, trajectories: list[Trajectory]) -> tuple[torch.Tensor, int] | None:
+        """``mb``'s reference log-probs from the values scored before the update
+        (``trainer.reference_scoring=idle_engine``), the trajectories without them scored here
+        with the frozen copy, and the precomputed action tokens; None when none came attached,
+        and always with data parallelism or LoRA (the whole micro-batch then runs
+        :meth:`_reference_logprobs`)."""
+        if self.dp is not None or self.ref_model is None:
+            return None
+        return reference_from_attached(mb, lambda seqs: score_reference(
+            self.scoring_spec(), self.ref_model, [trajectories[mb.indices[s]] for s in seqs],
+            share_prompts=self.shares_prompts))
+
     def scoring_spec(self) -> ScoringSpec:
         """How this trainer computes log-probs (temperature, precision, chunking, packing), for
         the components that score old log-probs with other weights (the paused engine, the
@@ -802,13 +814,13 @@ class Trainer:
                         scores.proximal[j] = self.proximal.from_forward(cur, mb, self.version)
                 if self.has_reference and not values_only:
                     t_r = time.perf_counter()
-                    n_tok = mb.num_tokens
-                    scores.reference[j] = attached_reference(mb)  # scored before the update, if so
-                    if scores.reference[j] is None:
+                    got = self._attached_reference(mb, batch.trajectories)  # scored before the update
+                    if got is None:
                         scores.reference[j] = self._reference_logprobs(mb)
                     else:
-                        scores.reference_precomputed_tokens += n_tok
-                    scores.reference_tokens += n_tok
+                        scores.reference[j], pre = got
+                        scores.reference_precomputed_tokens += pre
+                    scores.reference_tokens += mb.num_tokens
                     scores.reference_seconds += time.perf_counter() - t_r
                 if self.critic is not None and not skip_values:
                     t_v = time.perf_counter()
