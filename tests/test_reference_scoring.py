@@ -155,6 +155,25 @@ def test_scorer_scores_buffered_trajectories_only_while_the_engine_idles(tiny):
     assert scorer._thread is None
 
 
+@pytest.mark.skipif(not hasattr(threading, "get_native_id") or not hasattr(__import__("os"), "setpriority"),
+                    reason="per-thread priorities: Linux")
+def test_background_scorer_runs_ungated_at_the_lowest_priority_of_its_own_thread(tiny):
+    import os
+
+    tr = _trainer(tiny)
+    buffered = make_trajs(4)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    scorer = ReferenceScorer(tr.reference_model, tr.scoring_spec(), source=lambda: list(buffered), idle=None,
+                             poll_s=0.01, lowest_priority=True)
+    scorer.start()
+    try:
+        assert _wait(lambda: scorer.stats.scored == 4)  # no gate
+        assert os.getpriority(os.PRIO_PROCESS, scorer._thread.native_id) == 19
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # this thread keeps its own
+    finally:
+        scorer.stop()
+
+
 def test_scorer_forgets_results_of_trajectories_that_left_the_buffer(tiny):
     tr = _trainer(tiny)
     buffered = make_trajs(2)
@@ -183,11 +202,12 @@ def test_scorer_arguments_are_checked(tiny):
     ({"rollout": {"num_engines": 2}}, "rollout.num_engines=2"),
     ({"lora": {"enabled": True}}, "lora.enabled=true"),
 ])
-def test_idle_engine_scoring_refuses_what_it_cannot_serve(override, named):
-    with pytest.raises(ValueError, match="trainer.reference_scoring=idle_engine") as e:
-        TrainConfig.model_validate({"trainer": {"reference_scoring": "idle_engine"}, **override})
+@pytest.mark.parametrize("mode", ["idle_engine", "background"])
+def test_reference_scoring_off_the_update_refuses_what_it_cannot_serve(override, named, mode):
+    with pytest.raises(ValueError, match=f"trainer.reference_scoring={mode}") as e:
+        TrainConfig.model_validate({"trainer": {"reference_scoring": mode}, **override})
     assert named in str(e.value)
-    TrainConfig.model_validate({"trainer": {"reference_scoring": "idle_engine"}})
+    TrainConfig.model_validate({"trainer": {"reference_scoring": mode}})
 
 
 def test_engine_idle_reflects_waiting_and_running_requests(tiny):
@@ -207,7 +227,8 @@ def test_engine_idle_reflects_waiting_and_running_requests(tiny):
         engine.stop()
 
 
-def test_a_run_with_idle_engine_scoring_trains_on_precomputed_reference_values(tmp_path):
+@pytest.mark.parametrize("mode", ["idle_engine", "background"])
+def test_a_run_scoring_the_reference_off_the_update_trains_on_precomputed_values(tmp_path, mode):
     """The inline runtime wires the scorer: it scores buffered trajectories while the engine
     idles, the values reach the updates, and the run ends cleanly (the thread stopped)."""
     import json
@@ -219,7 +240,7 @@ def test_a_run_with_idle_engine_scoring_trains_on_precomputed_reference_values(t
 
     run = tmp_path / "r"
     cfg = load_config(None, BASE + ["trainer.total_steps=6", "async.eta=2", "loss.kl_coef=0.05",
-                                    "trainer.reference_scoring=idle_engine", f"run.dir={run}",
+                                    f"trainer.reference_scoring={mode}", f"run.dir={run}",
                                     "run.eval_before=false", "run.eval_after=false"])
     res = run_training(cfg)
     assert res.steps == 6 and not res.interrupted

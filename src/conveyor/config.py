@@ -480,11 +480,13 @@ class TrainerConfig(_Strict):
     max_nonfinite_in_a_row: int = Field(default=3, ge=1)
     num_threads: int | None = Field(default=None, ge=1, description="trainer intra-op threads (default: auto, see run.threads)")
     separate_proximal_pass: bool = Field(default=False, description="always compute pi_prox in its own forward pass (with minibatches=1 the gradient pass's detached log-probs are identical and are reused)")
-    reference_scoring: Literal["update", "idle_engine"] = Field(
+    reference_scoring: Literal["update", "idle_engine", "background"] = Field(
         default="update", description="where the KL reference's log-probs (loss.kl_coef > 0) are computed: in the update's "
-                                      "score phase, or idle_engine: a background thread scores buffered trajectories while the "
-                                      "local engine has nothing to run, on its cores (conveyor.trainer.reference; the update "
-                                      "computes whatever was not scored; inline runtime, one engine, no LoRA, one process)")
+                                      "score phase; idle_engine: a thread scores buffered trajectories while the local engine "
+                                      "has nothing to run, on its cores; background: the same thread at the lowest scheduling "
+                                      "priority without that gate, on whatever CPU time no other thread wants "
+                                      "(conveyor.trainer.reference; the update computes whatever was not scored; inline "
+                                      "runtime, one engine, no LoRA, one process)")
     activation_checkpointing: bool = Field(
         default=False, description="recompute transformer-layer activations in the backward pass: less memory, ~30% more trainer time")
     optimizer_foreach: bool | None = Field(
@@ -739,7 +741,7 @@ class TrainConfig(_Strict):
                                  "ratio, the controller could never change the bound; set async.eta_max >= 1, or "
                                  "async.adaptive=false async.eta=0 for a synchronous run")
         _check_monitor_actions(self)
-        if self.trainer.reference_scoring == "idle_engine":
+        if self.trainer.reference_scoring != "update":
             why = [w for w, bad in (
                 (f"runtime.name={self.runtime.name} (the scorer borrows the in-process engine's idle cores; inline only)",
                  self.runtime.name != "inline"),
@@ -749,7 +751,7 @@ class TrainConfig(_Strict):
                 (f"trainer.world_size={self.trainer.world_size} (one trainer process)", self.trainer.world_size > 1),
             ) if bad]
             if why:
-                raise ValueError("trainer.reference_scoring=idle_engine does not work with " + "; ".join(why)
+                raise ValueError(f"trainer.reference_scoring={self.trainer.reference_scoring} does not work with " + "; ".join(why)
                                  + ": set trainer.reference_scoring=update")
         if self.rollout.elastic_threads and self.runtime.name != "inline":
             raise ValueError("rollout.elastic_threads=true needs runtime.name=inline (the engine borrows the "

@@ -350,15 +350,19 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
 
 def reference_scorer(cfg: TrainConfig, trainer: Trainer, engine, buffer: TrajectoryBuffer, engine_threads: int,
                      ctx: RunContext) -> ReferenceScorer | None:
-    """``trainer.reference_scoring=idle_engine``: a started
+    """``trainer.reference_scoring=idle_engine`` / ``background``: a started
     :class:`~conveyor.trainer.reference.ReferenceScorer` over the trainer's frozen reference
-    policy that scores the buffered trajectories while ``engine`` idles, with the engine's thread
-    count (stopped with the run); None otherwise or without a KL reference (``loss.kl_coef=0``)."""
-    if cfg.trainer.reference_scoring != "idle_engine" or getattr(trainer, "reference_model", None) is None:
+    policy that scores the buffered trajectories while ``engine`` idles (``idle_engine``) or at
+    the lowest scheduling priority (``background``), with the engine's thread count (stopped
+    with the run); None otherwise or without a KL reference (``loss.kl_coef=0``)."""
+    mode = cfg.trainer.reference_scoring
+    if mode == "update" or getattr(trainer, "reference_model", None) is None:
         return None
     scorer = ReferenceScorer(trainer.reference_model, trainer.scoring_spec(),
-                             source=lambda: [t for g in buffer.snapshot() for t in g], idle=lambda: engine.idle,
-                             threads=engine_threads, share_prompts=trainer.shares_prompts)
+                             source=lambda: [t for g in buffer.snapshot() for t in g],
+                             idle=(lambda: engine.idle) if mode == "idle_engine" else None,
+                             threads=engine_threads, share_prompts=trainer.shares_prompts,
+                             lowest_priority=mode == "background")
     scorer.start()
     ctx.stack.callback(scorer.stop)
     return scorer

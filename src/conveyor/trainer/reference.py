@@ -68,6 +68,19 @@ class ReferenceScorerStats:
     forwards: int = 0
 
 
+def _lowest_priority() -> bool:
+    """Give the calling thread the lowest scheduling priority (Linux: ``setpriority`` on its
+    thread id, nice 19; other threads keep theirs). Returns whether it was applied."""
+    import os
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        return True
+    except (AttributeError, OSError) as e:  # not Linux, or not permitted: run at normal priority
+        log.info("reference scorer: could not lower its thread's priority (%s)", e)
+        return False
+
+
 class ReferenceScorer:
     """Scores the frozen reference policy's log-probs of buffered trajectories in a background
     thread while the engine is idle (module docstring).
@@ -88,7 +101,8 @@ class ReferenceScorer:
         source: Returns the buffered trajectories (e.g. :meth:`LocalRollout.buffered
             <conveyor.runtime.step.LocalRollout.buffered>`); only read.
         idle: Whether the engine has nothing to run now (:attr:`InferenceEngine.idle
-            <conveyor.rollout.engine.local.InferenceEngine.idle>`).
+            <conveyor.rollout.engine.local.InferenceEngine.idle>`); None: no such gate (with
+            ``lowest_priority``, the operating system's scheduler is the gate).
         threads: Intra-op threads of the scoring thread (the engine's count: it borrows the
             engine's cores).
         micro_batch_tokens: Packed tokens per forward pass (bounds how long an admission can wait
@@ -98,6 +112,9 @@ class ReferenceScorer:
         poll_s: Seconds between looks at the buffer when there is nothing to do.
         forget_s: Seconds a result is kept after its trajectory left the buffer without being
             attached (a hand-out attaches within microseconds; a stale drop never does).
+        lowest_priority: The thread lowers its own scheduling priority to the lowest (Linux: nice
+            19 for this thread only), so it runs on CPU time no other thread of the machine wants
+            (``trainer.reference_scoring=background``); elsewhere, or if refused, it runs as is.
 
     Raises:
         ValueError: ``threads`` < 1, ``micro_batch_tokens`` < 1, or ``poll_s`` / ``forget_s``
@@ -105,8 +122,9 @@ class ReferenceScorer:
     """
 
     def __init__(self, model: torch.nn.Module, spec, source: Callable[[], list[Trajectory]],
-                 idle: Callable[[], bool], *, threads: int = 1, micro_batch_tokens: int = 1024,
-                 share_prompts: bool = True, poll_s: float = 0.05, forget_s: float = 30.0):
+                 idle: Callable[[], bool] | None, *, threads: int = 1, micro_batch_tokens: int = 1024,
+                 share_prompts: bool = True, poll_s: float = 0.05, forget_s: float = 30.0,
+                 lowest_priority: bool = False):
         if threads < 1:
             raise ValueError(f"ReferenceScorer: threads must be >= 1, got {threads}")
         if micro_batch_tokens < 1:
@@ -122,6 +140,7 @@ class ReferenceScorer:
         self.share_prompts = share_prompts
         self.poll_s = poll_s
         self.forget_s = forget_s
+        self.lowest_priority = lowest_priority
         self.stats = ReferenceScorerStats()
         self.error: BaseException | None = None
         # id(trajectory) -> (the trajectory, its values or None while unscored, when it was last seen buffered)
@@ -171,6 +190,8 @@ class ReferenceScorer:
     def _loop(self) -> None:
         try:
             set_own_thread_count(self.threads)
+            if self.lowest_priority:
+                _lowest_priority()
             with torch.inference_mode():
                 while not self._stop.is_set():
                     if not self._score_some():
@@ -201,13 +222,13 @@ class ReferenceScorer:
     def _score_some(self) -> bool:
         """Score one micro-batch of unscored buffered trajectories if the engine is idle.
         Returns whether a forward pass ran."""
-        if not self.idle():
+        if self.idle is not None and not self.idle():
             return False
         todo = self._todo()
         if not todo:
             return False
         chosen = self._first_micro_batch(todo)
-        if not self.idle():  # the engine got work meanwhile: it has the core
+        if self.idle is not None and not self.idle():  # the engine got work meanwhile: it has the core
             return False
         t0 = time.perf_counter()
         values = score_reference(self.spec, self.model, chosen, share_prompts=self.share_prompts)
