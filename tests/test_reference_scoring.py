@@ -14,7 +14,12 @@ from test_trainer import make_trajs, reference_logprobs
 
 from conveyor.config import LossConfig, TrainConfig, TrainerConfig
 from conveyor.trainer.batch import pack
-from conveyor.trainer.reference import ReferenceScorer, reference_from_attached, score_reference
+from conveyor.trainer.reference import (
+    ReferenceScorer,
+    next_to_score,
+    reference_from_attached,
+    score_reference,
+)
 from conveyor.trainer.trainer import Trainer
 
 
@@ -172,6 +177,16 @@ def test_background_scorer_runs_ungated_at_the_lowest_priority_of_its_own_thread
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # this thread keeps its own
     finally:
         scorer.stop()
+
+
+def test_next_to_score_takes_the_newest_groups_that_fit():
+    trajs = make_trajs(8, group=4, shared_prompts=True)  # g0 (oldest): 0-3, g1: 4-7
+    size = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
+    assert next_to_score(trajs, sum(size[4:])) == trajs[4:]  # the newest group, whole
+    assert next_to_score(trajs, sum(size[4:]) + size[0]) == trajs[4:] + trajs[:1]  # then the next newest's first
+    assert next_to_score(trajs, sum(size)) == trajs[4:] + trajs[:4]
+    assert next_to_score(trajs, 1) == trajs[4:5]  # at least one
+    assert next_to_score([], 100) == []
 
 
 def test_scorer_forgets_results_of_trajectories_that_left_the_buffer(tiny):

@@ -6,15 +6,18 @@ where the trainer is the bottleneck and the engine's core idles a quarter of the
 (docs/results/main_job.md, sections 10 and 12). The reference never changes, so its log-probs of
 a finished trajectory can be computed by anyone at any time before the update that trains it:
 :class:`ReferenceScorer` is a background thread that scores buffered trajectories while the local
-engine has nothing to run (``trainer.reference_scoring=idle_engine``), and hands the values over as
+engine has nothing to run (``trainer.reference_scoring=idle_engine``) or, ungated, at the lowest
+scheduling priority (``background``: the operating system gives it only CPU time no other thread
+wants), and hands the values over as
 the batch leaves the rollout side (:meth:`ReferenceScorer.attach`: ``metadata["reference_logprobs"]``,
 as the old-log-prob book attaches its patches). The trainer uses attached values and scores only
 the trajectories without them (:func:`reference_from_attached`, in
 :meth:`conveyor.trainer.trainer.Trainer.score`), so the scorer never delays an update: at worst it
 scored nothing and the update is what it was.
 
-What it must never do: take the engine's core while the engine has work (it checks before every
-forward pass, so an admission waits at most one pass of ``micro_batch_tokens``), change the numbers
+What it must never do: take the engine's core while the engine has work (``idle_engine`` checks
+before every forward pass, so an admission waits at most one pass of ``micro_batch_tokens``;
+``background`` leaves the choice to the scheduler, which prefers every other thread), change the numbers
 (the same frozen module and the trainer's :class:`~conveyor.trainer.logprobs.ScoringSpec`:
 temperature, autocast, chunking, kept sets; the packing differs from the update's, so values agree
 to floating-point rounding, not bit for bit), or hold a trajectory longer than it stays buffered.
@@ -46,7 +49,7 @@ from conveyor.types import Trajectory
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ReferenceScorer", "ReferenceScorerStats", "reference_from_attached", "score_reference"]
+__all__ = ["ReferenceScorer", "ReferenceScorerStats", "next_to_score", "reference_from_attached", "score_reference"]
 
 
 @dataclass
@@ -86,7 +89,8 @@ class ReferenceScorer:
     thread while the engine is idle (module docstring).
 
     The thread polls ``source()`` (the buffered trajectories, oldest first) every ``poll_s``
-    seconds; while ``idle()`` is true it packs unscored ones into micro-batches of at most
+    seconds; while ``idle()`` is true it packs unscored ones, newest first (:func:`next_to_score`),
+    into micro-batches of at most
     ``micro_batch_tokens`` tokens (a group's responses share their prompt, as in the update:
     :func:`~conveyor.trainer.batch.group_shared_prompts`) and runs one forward pass at a time,
     checking ``idle()`` before each. Results are kept per trajectory object until
@@ -106,7 +110,8 @@ class ReferenceScorer:
         threads: Intra-op threads of the scoring thread (the engine's count: it borrows the
             engine's cores).
         micro_batch_tokens: Packed tokens per forward pass (bounds how long an admission can wait
-            for the core, about 0.25-0.5 s per 1,024 tokens of SmolLM2 on one CPU core).
+            for the core: 1.56 s per pass of at most 1,024 tokens for SmolLM2 on one core of the
+            2-core AMD EPYC, bf16 autocast, in the main job; docs/results/main_job.md section 13).
         share_prompts: Pack a group's prompt once (the update's ``trainer.share_prompts``; needs
             an attention implementation that takes a 4-D mask).
         poll_s: Seconds between looks at the buffer when there is nothing to do.
@@ -143,7 +148,7 @@ class ReferenceScorer:
         self.lowest_priority = lowest_priority
         self.stats = ReferenceScorerStats()
         self.error: BaseException | None = None
-        # id(trajectory) -> (the trajectory, its values or None while unscored, when it was last seen buffered)
+        # id(trajectory) -> (the trajectory, its values, when it was last seen buffered (monotonic s))
         self._results: dict[int, tuple[Trajectory, list[float], float]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -227,7 +232,7 @@ class ReferenceScorer:
         todo = self._todo()
         if not todo:
             return False
-        chosen = self._first_micro_batch(todo)
+        chosen = next_to_score(todo, self.micro_batch_tokens)
         if self.idle is not None and not self.idle():  # the engine got work meanwhile: it has the core
             return False
         t0 = time.perf_counter()
@@ -243,22 +248,31 @@ class ReferenceScorer:
             self.stats.forwards += 1
         return True
 
-    def _first_micro_batch(self, todo: list[Trajectory]) -> list[Trajectory]:
-        """The oldest unscored trajectories that fit ``micro_batch_tokens`` (at least one),
-        whole groups first: a group's members are taken together while they fit."""
-        chosen: list[Trajectory] = []
-        used = 0
-        by_group: dict[str, list[Trajectory]] = {}
-        for t in todo:
-            by_group.setdefault(t.group_id, []).append(t)
-        for group in by_group.values():
-            for t in group:
-                n = len(t.prompt_ids) + len(t.response_ids)
-                if chosen and used + n > self.micro_batch_tokens:
-                    return chosen
-                chosen.append(t)
-                used += n
-        return chosen
+
+def next_to_score(todo: list[Trajectory], budget_tokens: int) -> list[Trajectory]:
+    """The next trajectories for the reference scorer: the *newest* groups of ``todo`` (given
+    oldest first, as the buffer holds them) whose ``prompt + response`` tokens fit
+    ``budget_tokens`` (at least one trajectory), a group's members together while they fit.
+
+    Newest first because the batch hands out the oldest: a scorer slower than the hand-out that
+    took the oldest would finish each pass after its trajectories had left (measured at the
+    lowest priority, oldest first: no value reached a batch after update 20, 307 of 469 scored
+    trajectories in all; docs/results/main_job.md section 13), while the newest wait at least one
+    more update.
+    """
+    by_group: dict[str, list[Trajectory]] = {}
+    for t in todo:
+        by_group.setdefault(t.group_id, []).append(t)
+    chosen: list[Trajectory] = []
+    used = 0
+    for group in reversed(list(by_group.values())):
+        for t in group:
+            n = len(t.prompt_ids) + len(t.response_ids)
+            if chosen and used + n > budget_tokens:
+                return chosen
+            chosen.append(t)
+            used += n
+    return chosen
 
 
 def score_reference(spec, model: torch.nn.Module, trajectories: list[Trajectory], *,
