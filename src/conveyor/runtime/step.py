@@ -76,9 +76,9 @@ class LocalRollout:
             the update runs (:meth:`InferenceEngine.set_num_threads
             <conveyor.rollout.engine.local.InferenceEngine.set_num_threads>`). None: fixed threads.
         reference: A :class:`~conveyor.trainer.reference.ReferenceScorer` that scores the KL
-            reference's log-probs of buffered trajectories while the engine idles
-            (``trainer.reference_scoring=idle_engine``): its values are attached to each batch as
-            it is handed out. None: the update scores them.
+            reference's log-probs of buffered trajectories off the update
+            (``trainer.reference_scoring=idle_engine`` or ``background``): its values are
+            attached to each batch as it is handed out. None: the update scores them.
     """
 
     def __init__(self, controller, buffer, elastic: tuple | None = None, reference=None):

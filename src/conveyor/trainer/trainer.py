@@ -648,7 +648,7 @@ class Trainer:
 
     def _attached_reference(self, mb: PackedBatch, trajectories: list[Trajectory]) -> tuple[torch.Tensor, int] | None:
         """``mb``'s reference log-probs from the values scored before the update
-        (``trainer.reference_scoring=idle_engine``), the trajectories without them scored here
+        (``trainer.reference_scoring=idle_engine`` / ``background``), the trajectories without them scored here
         with the frozen copy, and the precomputed action tokens; None when none came attached,
         and always with data parallelism or LoRA (the whole micro-batch then runs
         :meth:`_reference_logprobs`)."""
