@@ -17,9 +17,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from conveyor.runlog import read_jsonl, read_metrics
 
 
 def row(run: Path, mark: float, window: int) -> dict:
@@ -32,8 +30,8 @@ def row(run: Path, mark: float, window: int) -> dict:
         if not (run / name).is_file():
             raise FileNotFoundError(f"{run / name}: missing (not a finished run directory?)")
     summary = json.loads((run / "summary.json").read_text())
-    metrics = _jsonl(run / "metrics.jsonl")
-    events = _jsonl(run / "events.jsonl")
+    metrics = read_metrics(run / "metrics.jsonl")  # one row per step (a resumed run's repeats resolved)
+    events = read_jsonl(run / "events.jsonl")
     evals = [e for e in events if e.get("event") == "eval"]
     periodic = sum(e.get("wall_seconds", 0.0) for e in evals if str(e.get("label", "")).startswith("step_"))
     etas = Counter(int(m["staleness/eta"]) for m in metrics if m.get("staleness/eta") == m.get("staleness/eta"))

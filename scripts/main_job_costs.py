@@ -15,6 +15,8 @@ import re
 import sys
 from pathlib import Path
 
+from conveyor.runlog import read_metrics
+
 
 def costs(run: Path) -> str:
     """One line for a finished run directory (summary.json, metrics.jsonl, engine_stats.json).
@@ -26,7 +28,7 @@ def costs(run: Path) -> str:
         if not (run / name).is_file():
             raise FileNotFoundError(f"{run / name}: missing (not a finished run directory?)")
     s = json.loads((run / "summary.json").read_text())
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = read_metrics(run / "metrics.jsonl")  # one row per step (a resumed run's repeats resolved)
     e = json.loads((run / "engine_stats.json").read_text())
     train_s = sum(r["time/train_step_s"] for r in rows)
     ref_s = sum(r.get("time/reference_s", 0.0) for r in rows)

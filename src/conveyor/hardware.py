@@ -94,18 +94,28 @@ def resolve_bf16(setting: bool | str, device: str = "cpu", recorded: bool | None
                  f"product runs {s:.2f}x the speed of fp32 on this {device})")
 
 
-def set_own_thread_count(n: int) -> None:
+def restore_default_thread_count(n: int) -> None:
+    """Set torch's process-wide default intra-op thread count to ``n`` from a short-lived helper
+    thread, so the calling thread keeps its own count (:func:`set_own_thread_count`)."""
+    helper = threading.Thread(target=torch.set_num_threads, args=(n,))
+    helper.start()
+    helper.join()
+
+
+def set_own_thread_count(n: int) -> int:
     """Set the calling thread's intra-op thread count to ``n``, leaving torch's process-wide
     default as it was. ``torch.set_num_threads`` sets both the caller's OpenMP / MKL count and a
     default that threads read lazily on their first ATen op, so a worker thread calling it would
     change the count of every thread started later (the evaluation's, a test's); the default is
-    put back from a short-lived helper thread, as the engine's decode thread does
-    (:meth:`InferenceEngine._set_thread_count
-    <conveyor.rollout.engine.local.InferenceEngine._set_thread_count>`). Call it first in the
-    thread it is for.
+    put back from a short-lived helper thread (the engine's decode thread, the dedicated
+    old-logit worker, the reference scorer). Call it first in the thread it is for.
 
     Args:
         n: Intra-op threads (>= 1).
+
+    Returns:
+        The process-wide default (to put back after later changes of this thread's count:
+        :func:`restore_default_thread_count`).
 
     Raises:
         ValueError: ``n`` < 1.
@@ -113,9 +123,7 @@ def set_own_thread_count(n: int) -> None:
     if n < 1:
         raise ValueError(f"thread count must be >= 1, got {n}")
     default = torch.get_num_threads()  # this thread's lazy initialisation reads the default
-    if n == default:
-        return
-    torch.set_num_threads(n)
-    helper = threading.Thread(target=torch.set_num_threads, args=(default,))
-    helper.start()
-    helper.join()
+    if n != default:
+        torch.set_num_threads(n)
+        restore_default_thread_count(default)
+    return default

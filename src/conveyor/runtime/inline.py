@@ -342,24 +342,24 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
     # rollout.elastic_threads: the trainer's threads (this thread's intra-op count) are lent to the
     # engine while the trainer waits for a batch
     elastic = (engine, engine_threads, engine_threads + torch.get_num_threads()) if cfg.rollout.elastic_threads else None
-    rollout = LocalRollout(controller, buffer, elastic=elastic,
-                           reference=reference_scorer(cfg, trainer, engine, buffer, engine_threads, ctx))
+    rollout = LocalRollout(controller, buffer, elastic=elastic)
+    rollout.reference = reference_scorer(cfg, trainer, engine, rollout.buffered, engine_threads, ctx)
     publisher = publisher_for(trainer.proximal, engine, rollout)
     return RolloutSide(engine, reward_service, buffer, controller, rollout, publisher, B)
 
 
-def reference_scorer(cfg: TrainConfig, trainer: Trainer, engine, buffer: TrajectoryBuffer, engine_threads: int,
+def reference_scorer(cfg: TrainConfig, trainer: Trainer, engine, buffered: Callable[[], list], engine_threads: int,
                      ctx: RunContext) -> ReferenceScorer | None:
     """``trainer.reference_scoring=idle_engine`` / ``background``: a started
     :class:`~conveyor.trainer.reference.ReferenceScorer` over the trainer's frozen reference
-    policy that scores the buffered trajectories while ``engine`` idles (``idle_engine``) or at
+    policy that scores the buffered trajectories (``buffered()``) while ``engine`` idles (``idle_engine``) or at
     the lowest scheduling priority (``background``), with the engine's thread count (stopped
     with the run); None otherwise or without a KL reference (``loss.kl_coef=0``)."""
     mode = cfg.trainer.reference_scoring
     if mode == "update" or getattr(trainer, "reference_model", None) is None:
         return None
     scorer = ReferenceScorer(trainer.reference_model, trainer.scoring_spec(),
-                             source=lambda: [t for g in buffer.snapshot() for t in g],
+                             source=buffered,
                              idle=(lambda: engine.idle) if mode == "idle_engine" else None,
                              threads=engine_threads, share_prompts=trainer.shares_prompts,
                              lowest_priority=mode == "background")

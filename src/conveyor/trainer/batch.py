@@ -285,6 +285,22 @@ def unit_length(members: list[Trajectory]) -> int:
     return len(members[0].prompt_ids) - 1 + sum(1 + len(t.response_ids) for t in members)
 
 
+def pack_micro_batches(trajectories: list[Trajectory], micro_batch_tokens: int, pack_row_tokens: int, *,
+                       share_prompts: bool) -> list[PackedBatch]:
+    """The trajectories as packed micro-batches (advantages 0): units of a shared prompt when
+    ``share_prompts`` (:func:`group_shared_prompts`), planned by token budget
+    (:func:`plan_micro_batches`), each micro-batch :func:`pack` ed. What the update packs
+    (``Trainer.pack``) and what the reference scorer scores (``conveyor.trainer.reference``)."""
+    if share_prompts:
+        units = group_shared_prompts(trajectories, min(pack_row_tokens, micro_batch_tokens))
+    else:
+        units = list(range(len(trajectories)))
+    lengths = [unit_length([trajectories[i] for i in unit_members(u)]) for u in units]
+    zeros = torch.zeros(len(trajectories))
+    return [pack(trajectories, zeros, [[units[k] for k in row] for row in rows])
+            for rows in plan_micro_batches(lengths, micro_batch_tokens, pack_row_tokens)]
+
+
 def pack(trajectories: list[Trajectory], advantages: torch.Tensor, rows: list[list]) -> PackedBatch:
     """Pack trajectories into a ``[R, L]`` micro-batch: row ``r`` concatenates
     ``trajectories[i] for i in rows[r]``; shorter rows are padded at the end with a separate

@@ -38,13 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.hardware import set_own_thread_count
-from conveyor.trainer.batch import (
-    group_shared_prompts,
-    pack,
-    plan_micro_batches,
-    unit_length,
-    unit_members,
-)
+from conveyor.trainer.batch import pack_micro_batches
 from conveyor.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -209,7 +203,7 @@ class ReferenceScorer:
         """Buffered trajectories without values (oldest first); forgets results whose
         trajectory has been out of the buffer for ``forget_s``."""
         now = time.monotonic()
-        buffered = [t for t in self.source() if "reference_logprobs" not in t.metadata]
+        buffered = self.source()
         live = {id(t) for t in buffered}
         todo = []
         with self._lock:
@@ -294,15 +288,9 @@ def score_reference(spec, model: torch.nn.Module, trajectories: list[Trajectory]
     """
     if not trajectories:
         return []
-    if share_prompts:
-        units = group_shared_prompts(trajectories, min(spec.pack_row_tokens, spec.micro_batch_tokens))
-    else:
-        units = list(range(len(trajectories)))
-    lengths = [unit_length([trajectories[i] for i in unit_members(u)]) for u in units]
     out: list[list[float] | None] = [None] * len(trajectories)
-    zeros = torch.zeros(len(trajectories))
-    for rows in plan_micro_batches(lengths, spec.micro_batch_tokens, spec.pack_row_tokens):
-        mb = pack(trajectories, zeros, [[units[k] for k in row] for row in rows])
+    for mb in pack_micro_batches(trajectories, spec.micro_batch_tokens, spec.pack_row_tokens,
+                                 share_prompts=share_prompts):
         lp = spec.logprobs(model, mb)
         for s, i in enumerate(mb.indices):
             here = mb.seq_index == s

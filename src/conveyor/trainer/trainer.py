@@ -41,14 +41,7 @@ from conveyor.trainer import distributed as dp_lib
 from conveyor.trainer import ensemble as ensemble_lib
 from conveyor.trainer import gae as gae_lib
 from conveyor.trainer import losses as loss_lib
-from conveyor.trainer.batch import (
-    PackedBatch,
-    group_shared_prompts,
-    pack,
-    plan_micro_batches,
-    unit_length,
-    unit_members,
-)
+from conveyor.trainer.batch import PackedBatch, pack_micro_batches
 from conveyor.trainer.logprobs import ScoringSpec, token_logprobs, zero_loss
 from conveyor.trainer.lora import inference_copy
 from conveyor.trainer.objectives import ObjectiveInputs, get_objective
@@ -759,14 +752,8 @@ class Trainer:
         """Phase 1: the batch as packed micro-batches (advantages still 0) with their loss
         aggregation weights (``loss.aggregation``)."""
         cfg, lc = self.cfg, self.loss_cfg
-        if self.shares_prompts:  # a group's prompt once per row (batch.py, "Shared prompts")
-            units = group_shared_prompts(trajectories, min(cfg.pack_row_tokens, cfg.micro_batch_tokens))
-        else:
-            units = list(range(len(trajectories)))
-        lengths = [unit_length([trajectories[i] for i in unit_members(u)]) for u in units]
-        plan = plan_micro_batches(lengths, cfg.micro_batch_tokens, cfg.pack_row_tokens)
-        zeros = torch.zeros(len(trajectories))
-        mbs = [pack(trajectories, zeros, [[units[k] for k in row] for row in rows]) for rows in plan]
+        # a group's prompt once per row (batch.py, "Shared prompts")
+        mbs = pack_micro_batches(trajectories, cfg.micro_batch_tokens, cfg.pack_row_tokens, share_prompts=self.shares_prompts)
         aggs = [corr_lib.aggregation_weights(mb.mask, lc.aggregation, seq_index=mb.seq_index, constant=self.aggregation_constant)
                 for mb in mbs]
         weights, denoms = [a[0] for a in aggs], [a[1] for a in aggs]

@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache
 
 from conveyor.devices import module_device, synchronize, to
 from conveyor.faults import fault_point
+from conveyor.hardware import restore_default_thread_count, set_own_thread_count
 from conveyor.rollout.engine.kv_cache import (
     _KV_GROWTH,
     _Batch,
@@ -837,9 +838,7 @@ class InferenceEngine:
         at their previous setting.
         """
         if self._num_threads is not None:
-            self._default_threads = torch.get_num_threads()  # lazy per-thread init; returns the default
-            torch.set_num_threads(self._num_threads)
-            self._restore_default_threads()
+            self._default_threads = set_own_thread_count(self._num_threads)
         with self._cond:
             self._stats["num_threads"] = torch.get_num_threads()
 
@@ -848,9 +847,7 @@ class InferenceEngine:
         so the decode thread keeps its own count); nothing before the decode thread set one."""
         default = getattr(self, "_default_threads", None)
         if default is not None:
-            helper = threading.Thread(target=torch.set_num_threads, args=(default,))
-            helper.start()
-            helper.join()
+            restore_default_thread_count(default)
 
     def set_num_threads(self, n: int) -> None:
         """Change the decode thread's intra-op thread count from its next step on (elastic
