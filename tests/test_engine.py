@@ -368,16 +368,21 @@ def _prefix_run(cache_tokens, prompts, update=None):
     model, tok = fresh_model()
     eng = InferenceEngine(model, tok, max_batch_size=4, num_threads=1, seed=1, prefix_cache_tokens=cache_tokens)
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(50,))
+
+    def together(ps, sp):  # submitted while paused: admitted in one round (the pass counts below)
+        eng.pause()
+        futs = [eng.submit(p, sp) for p in ps]
+        eng.resume()
+        return [f.result(timeout=60) for f in futs]
+
     with eng:
-        first = eng.generate_batch(prompts, greedy)
+        first = together(prompts, greedy)
         if update is not None:
             eng.update_weights(update)
         cont = [o.prompt_ids + o.token_ids + [100, 200] for o in first]
-        second = eng.generate_batch(cont, greedy)
-        eng.pause()  # the five copies wait together: four are admitted in one step
-        futs = [eng.submit(prompts[0], SamplingParams(max_new_tokens=6, temperature=1.0)) for _ in range(5)]
-        eng.resume()
-        same = [f.result(timeout=60) for f in futs]
+        second = together(cont, greedy)
+        # the five copies wait together: four are admitted in one step
+        same = together([prompts[0]] * 5, SamplingParams(max_new_tokens=6, temperature=1.0))
         return first, second, same, eng.stats()
 
 
