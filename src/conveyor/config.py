@@ -487,6 +487,12 @@ class TrainerConfig(_Strict):
                                       "priority without that gate, on whatever CPU time no other thread wants "
                                       "(conveyor.trainer.reference; the update computes whatever was not scored; inline "
                                       "runtime, one engine, no LoRA, one process)")
+    elastic_threads: bool = Field(
+        default=False, description="inline runtime: while the local engine has nothing to run during an update (it waits "
+                                   "for the next version's capacity), the trainer computes with its own threads plus the "
+                                   "engine's, and gives them back at the next layer boundary once work reaches the engine "
+                                   "(conveyor.runtime.elastic; the counterpart of rollout.elastic_threads; one engine, one "
+                                   "trainer process on the CPU)")
     activation_checkpointing: bool = Field(
         default=False, description="recompute transformer-layer activations in the backward pass: less memory, ~30% more trainer time")
     optimizer_foreach: bool | None = Field(
@@ -753,6 +759,17 @@ class TrainConfig(_Strict):
             if why:
                 raise ValueError(f"trainer.reference_scoring={self.trainer.reference_scoring} does not work with " + "; ".join(why)
                                  + ": set trainer.reference_scoring=update")
+        if self.trainer.elastic_threads:
+            why = [w for w, bad in (
+                (f"runtime.name={self.runtime.name} (the trainer borrows the in-process engine's threads; inline only)",
+                 self.runtime.name != "inline"),
+                (f"rollout.num_engines={self.rollout.num_engines} (one engine's threads)", self.rollout.num_engines > 1),
+                (f"trainer.world_size={self.trainer.world_size} (one trainer process)", self.trainer.world_size > 1),
+                (f"trainer.device={self.trainer.device} (threads are the CPU's)", self.trainer.device not in ("cpu", "auto")),
+            ) if bad]
+            if why:
+                raise ValueError("trainer.elastic_threads=true does not work with " + "; ".join(why)
+                                 + ": set trainer.elastic_threads=false")
         if self.rollout.elastic_threads and self.runtime.name != "inline":
             raise ValueError("rollout.elastic_threads=true needs runtime.name=inline (the engine borrows the "
                              "trainer's threads in one process; a Ray actor's engine has its own CPUs)")

@@ -47,6 +47,7 @@ from conveyor.rollout.style_schedule import (
 from conveyor.rollout.workflow import EnvLatencyWorkflow, SingleTurnMathWorkflow
 from conveyor.rundir import RunContext, final_checkpoint
 from conveyor.runlog import MetricsLogger
+from conveyor.runtime.elastic import TrainerThreadBorrowing
 from conveyor.runtime.monitor import MonitorSettings, RunMonitor
 from conveyor.runtime.publish import Publisher, publisher_for, tracks_partials
 from conveyor.runtime.record import RunClock, StepRecorder, batch_metrics
@@ -159,6 +160,9 @@ class RolloutSide:
         batch_size: Trajectories per update (``trainer.batch_size x rollout.group_size``).
         evaluate: Runs a held-out evaluation (:func:`conveyor.eval.evaluate`'s signature), for
             :func:`heldout_eval`.
+        trainer_threads: ``trainer.elastic_threads``: the
+            :class:`~conveyor.runtime.elastic.TrainerThreadBorrowing` whose ``update`` span the
+            training loop runs each update in; None otherwise.
     """
 
     engine: InferenceEngine
@@ -169,6 +173,7 @@ class RolloutSide:
     publisher: Publisher
     batch_size: int
     evaluate: Callable = evaluate
+    trainer_threads: TrainerThreadBorrowing | None = None
 
 
 InlineRollout = RolloutSide  # the name before the Ray runtime (kept for callers)
@@ -345,7 +350,15 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
     rollout = LocalRollout(controller, buffer, elastic=elastic)
     rollout.reference = reference_scorer(cfg, trainer, engine, rollout.buffered, engine_threads, ctx)
     publisher = publisher_for(trainer.proximal, engine, rollout)
-    return RolloutSide(engine, reward_service, buffer, controller, rollout, publisher, B)
+    side = RolloutSide(engine, reward_service, buffer, controller, rollout, publisher, B)
+    if cfg.trainer.elastic_threads and torch.device(trainer.device).type != "cpu":
+        log.warning("trainer.elastic_threads=true ignored: the trainer runs on %s, not on the CPU's threads", trainer.device)
+    elif cfg.trainer.elastic_threads:  # the trainer borrows the idle engine's threads in its updates
+        side.trainer_threads = TrainerThreadBorrowing(engine, torch.get_num_threads(), engine_threads)
+        hooked = side.trainer_threads.install([trainer.model, trainer.reference_model, *trainer.critics])
+        ctx.stack.callback(side.trainer_threads.remove)
+        log.info("trainer.elastic_threads: %d blocks checked for the idle engine's %d thread(s)", hooked, engine_threads)
+    return side
 
 
 def reference_scorer(cfg: TrainConfig, trainer: Trainer, engine, buffered: Callable[[], list], engine_threads: int,
@@ -539,7 +552,8 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
                 clock.add_busy(critic_warmup(trainer, cfg, parts, logger, run_dir, console, health, stop, clock))
             while trainer.version < total and not stop.is_set() and not trainer.in_critic_warmup:
                 try:
-                    out = run_step(trainer, parts.rollout, publisher, parts.batch_size, health=health, stop=stop)
+                    out = run_step(trainer, parts.rollout, publisher, parts.batch_size, health=health, stop=stop,
+                                   update_context=parts.trainer_threads.update if parts.trainer_threads else None)
                 except NonFiniteLossError as e:  # the step still counts: log it, then stop
                     recorder.nonfinite(trainer.version, e.metrics, e.batch, controller.take_not_trained())
                     raise

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -147,9 +148,15 @@ class StepOutcome:
     busy_s: float
 
 
+@contextmanager
+def _no_context() -> Iterator[dict]:
+    yield {}
+
+
 def run_step(trainer, rollout: RolloutPort, publisher, batch_size: int, *,
              health: Callable[[], None] | None = None,
-             stop: threading.Event | None = None) -> StepOutcome | None:
+             stop: threading.Event | None = None,
+             update_context: Callable[[], AbstractContextManager[dict]] | None = None) -> StepOutcome | None:
     """One step of the protocol (module docstring): batch, update, publish, version.
 
     Args:
@@ -160,6 +167,10 @@ def run_step(trainer, rollout: RolloutPort, publisher, batch_size: int, *,
         batch_size: Trajectories per update.
         health: Called while waiting for the batch (raises to abort).
         stop: When set while waiting, the step is not taken.
+        update_context: Entered around the update (not the wait, not the publish); what it
+            yields is a dict of metrics added to the step's
+            (:meth:`TrainerThreadBorrowing.update <conveyor.runtime.elastic.TrainerThreadBorrowing.update>`,
+            ``trainer.elastic_threads``). None: nothing.
 
     Returns:
         The :class:`StepOutcome`, or None when ``stop`` was set before a batch was ready.
@@ -179,7 +190,9 @@ def run_step(trainer, rollout: RolloutPort, publisher, batch_size: int, *,
         return None
     t0 = time.perf_counter()
     try:
-        metrics = trainer.train_step(batch)
+        with (update_context or _no_context)() as extra:
+            metrics = trainer.train_step(batch)
+        metrics.update(extra)
     except NonFiniteLossError as e:
         e.batch = batch
         raise

@@ -47,6 +47,9 @@ from conveyor.sync import LoraFactors, WeightUpdate, apply_update
 
 log = logging.getLogger("conveyor.rollout.engine")  # the name before the split: same in train.log
 
+RECLAIM_TIMEOUT_S = 10.0
+"""Longest wait (s) of the decode thread for cores it lent (:meth:`InferenceEngine.lend_threads`)
+once work has arrived; then it runs anyway and does not wait again until they are given back."""
 _PREFILL_MAX_TOKENS = 8192  # padded tokens (rows x longest sequence) per prefill forward pass
 
 
@@ -214,6 +217,12 @@ class InferenceEngine:
         self._in_step = False
         self._failure: BaseException | None = None
         self._abort_pending = False  # running requests flagged by abort(), not yet finished
+        # lend_threads: the decode thread's cores lent to the trainer while it idles (issue 16)
+        self._lent = False
+        self._lent_since = 0.0
+        self._reclaim = False  # work arrived while lent: the borrower is asked to give them back
+        self._overrun = False  # the wait for them timed out: run anyway until they are given back
+        self._idle_since: float | None = None  # when the decode thread last found nothing to run
         self._next_rid = 0
         # request keys "<engine id>:<rid>" are unique across engines, processes and resumes
         self.engine_id = uuid.uuid4().hex[:12]
@@ -239,6 +248,11 @@ class InferenceEngine:
             prefill_dedup_tokens=0,  # tokens of identical sequences prefilled once (admitted together)
             prefill_forwards=0,  # prefill / re-encode forward passes
             merge_seconds=0.0,  # s copying the running batch's keys / values to admit requests into it
+            lends=0,  # lend_threads granted (the trainer borrowed the idle engine's cores)
+            lent_seconds=0.0,  # s the cores were lent
+            reclaims=0,  # times work arrived while lent and the decode thread waited for them back
+            reclaim_wait_seconds=0.0,  # s the decode thread waited for its cores
+            reclaim_timeouts=0,  # waits cut at RECLAIM_TIMEOUT_S (the borrower did not answer)
         )
         self._track_partials = track_partials
         self._reencode_on_update = reencode_on_update
@@ -349,14 +363,72 @@ class InferenceEngine:
         with self._cond:
             return self._thread is not None and not self._stopped and self._failure is None
 
+    def _no_work(self) -> bool:
+        return not (self._waiting or self._running_count or self._reencode or self._updates
+                    or self._batch is not None)
+
     @property
     def idle(self) -> bool:
         """True when the decode thread has nothing to run: no waiting, running or re-encoding
-        request and no pending weight update (paused counts as idle). A hint for work that
-        borrows the engine's cores (:mod:`conveyor.trainer.reference`); it may change right
-        after it is read. Thread-safe, no lock (reads of counters and containers)."""
-        return not (self._waiting or self._running_count or self._reencode or self._updates
-                    or self._batch is not None)
+        request and no pending weight update (paused counts as idle), and its cores are not lent
+        (:meth:`lend_threads`). A hint for work that borrows the engine's cores
+        (:mod:`conveyor.trainer.reference`); it may change right after it is read. Thread-safe,
+        no lock (reads of counters and containers)."""
+        return not self._lent and self._no_work()
+
+    @property
+    def idle_seconds(self) -> float:
+        """Seconds since the decode thread last found nothing to run (0.0 while it has work or
+        has not started). Thread-safe, no lock."""
+        since = self._idle_since
+        if since is None or not self._no_work():
+            return 0.0
+        return max(0.0, time.perf_counter() - since)
+
+    def lend_threads(self, min_idle_s: float = 0.0) -> bool:
+        """Lend the decode thread's cores to the caller while the engine idles (elastic cores,
+        issue 16: on a trainer-bound machine the engine waits for capacity during the update,
+        and the trainer may compute with its own threads plus the engine's).
+
+        Granted only when the engine has had nothing to run for ``min_idle_s`` and its cores are
+        not lent already. While lent, the decode thread does not start a forward pass: when
+        work arrives (a request, a weight update) it sets :attr:`reclaim_requested` and waits
+        until :meth:`return_threads`, at most :data:`RECLAIM_TIMEOUT_S` (then it runs anyway, so
+        a borrower that blocks on the engine cannot deadlock it). :meth:`stop` does not wait.
+
+        Args:
+            min_idle_s: Seconds the engine must have been idle (:attr:`idle_seconds`), so that
+                a short gap between two tool turns is not taken.
+
+        Returns:
+            True: the cores are lent; the caller must call :meth:`return_threads` (soon after
+            :attr:`reclaim_requested` turns True). False: nothing lent.
+        """
+        with self._cond:
+            if self._lent or self._stopped or self._thread is None or self.idle_seconds < max(min_idle_s, 1e-9):
+                return False
+            self._lent = True
+            self._reclaim = self._overrun = False
+            self._lent_since = time.perf_counter()
+            self._stats["lends"] += 1
+            return True
+
+    @property
+    def reclaim_requested(self) -> bool:
+        """True while the cores are lent and the decode thread has work waiting for them
+        (:meth:`lend_threads`). Thread-safe, no lock."""
+        return self._lent and self._reclaim
+
+    def return_threads(self) -> None:
+        """Give back cores lent by :meth:`lend_threads`; the decode thread resumes at once.
+        Idempotent."""
+        with self._cond:
+            if not self._lent:
+                return
+            self._lent = False
+            self._reclaim = self._overrun = False
+            self._stats["lent_seconds"] += time.perf_counter() - self._lent_since
+            self._cond.notify_all()
 
     @property
     def paused(self) -> bool:
@@ -489,9 +561,12 @@ class InferenceEngine:
             "prefix_hit": [forward passes, rows, padded tokens, seconds]}``: re-encodes after
             weight updates, admissions that missed the prefix cache, admissions that hit it with
             more than one token left; joined hits run no pass and are not counted here),
-            ``prefix_cache_tokens`` (held now) and ``decode_profile`` (``{batch size: [decode steps,
+            ``prefix_cache_tokens`` (held now), ``decode_profile`` (``{batch size: [decode steps,
             seconds]}``, seconds of the decode forward passes, used with ``sample_seconds`` to
-            calibrate ``conveyor simulate``).
+            calibrate ``conveyor simulate``), and, for cores lent while idle (:meth:`lend_threads`),
+            ``lends``, ``lent_seconds`` (s; a lease still open is not counted yet), ``reclaims``
+            (work arrived while lent), ``reclaim_wait_seconds`` (s the decode thread waited for its
+            cores) and ``reclaim_timeouts``.
         """
         with self._cond:
             out = dict(self._stats)
@@ -888,16 +963,7 @@ class InferenceEngine:
                     with self._cond:
                         self._in_step = False
                         self._cond.notify_all()
-                        while not (
-                            self._stopping
-                            or self._updates
-                            or self._abort_pending
-                            or (
-                                not self._paused
-                                and (self._waiting or self._batch is not None or self._reencode)
-                            )
-                        ):
-                            self._cond.wait()
+                        self._wait_for_work()
                         updates, self._updates = self._updates, []
                         stopping = self._stopping
                         paused = self._paused
@@ -925,6 +991,34 @@ class InferenceEngine:
             with self._cond:
                 self._in_step = False
                 self._cond.notify_all()
+
+    def _has_work(self) -> bool:
+        return bool(self._stopping or self._updates or self._abort_pending or (
+            not self._paused and (self._waiting or self._batch is not None or self._reencode)))
+
+    def _wait_for_work(self) -> None:
+        """Decode thread, holding ``_cond``: wait until there is work, and, while the cores are
+        lent (:meth:`lend_threads`), until they are given back (at most
+        :data:`RECLAIM_TIMEOUT_S`; :meth:`stop` does not wait)."""
+        while not self._has_work():
+            if self._idle_since is None:
+                self._idle_since = time.perf_counter()
+            self._cond.wait()
+        if self._lent and not self._stopping and not self._overrun:
+            t0 = time.perf_counter()
+            self._reclaim = True
+            self._stats["reclaims"] += 1
+            while self._lent and not self._stopping:
+                left = RECLAIM_TIMEOUT_S - (time.perf_counter() - t0)
+                if left <= 0:
+                    self._stats["reclaim_timeouts"] += 1
+                    self._overrun = True
+                    log.warning("engine: the borrower kept the lent cores %.0f s after work arrived; "
+                                "running anyway", RECLAIM_TIMEOUT_S)
+                    break
+                self._cond.wait(left)
+            self._stats["reclaim_wait_seconds"] += time.perf_counter() - t0
+        self._idle_since = None
 
     def _crash(self, error: BaseException) -> None:
         with self._cond:
