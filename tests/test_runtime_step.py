@@ -87,6 +87,32 @@ def test_run_step_phases_in_order_and_version_handed_over_after_the_publish():
     assert out.metrics["time/weight_sync_s"] >= 0.0 and out.busy_s >= out.metrics["time/weight_sync_s"]
 
 
+def test_run_step_enters_the_update_context_around_the_update_only_and_adds_its_metrics():
+    """``update_context`` (trainer.elastic_threads) spans the update: not the wait for the batch,
+    not the publish; it is left before the weights go out, also when the update fails."""
+    from contextlib import contextmanager
+
+    calls = Calls()
+
+    @contextmanager
+    def span():
+        calls.append(("enter",))
+        out = {}
+        try:
+            yield out
+        finally:
+            calls.append(("exit",))
+            out["time/borrowed_threads_s"] = 1.5
+
+    out = run_step(FakeTrainer(calls), FakeRollout(calls, [traj()]), FakePublisher(calls), 1, update_context=span)
+    assert [c[0] for c in calls] == ["before_step", "next_batch", "enter", "train", "exit", "publish", "set_version"]
+    assert out.metrics["time/borrowed_threads_s"] == 1.5 and out.metrics["loss"] == 1.0
+    calls.clear()
+    with pytest.raises(NonFiniteLossError):
+        run_step(FakeTrainer(calls, fail=True), FakeRollout(calls, [traj()]), FakePublisher(calls), 1, update_context=span)
+    assert [c[0] for c in calls] == ["before_step", "next_batch", "enter", "train", "exit"]
+
+
 def test_run_step_returns_none_when_stopped_and_trains_nothing():
     calls = Calls()
     stop = threading.Event()
