@@ -3,7 +3,9 @@
 # evaluations) with the trainer borrowing the idle engine's threads during its updates
 # (trainer.elastic_threads=true, arm "on") against without ("off"); arm "both" adds
 # rollout.elastic_threads=true (the engine borrows the trainer's threads while it waits for a
-# batch), arm "ref" adds trainer.reference_scoring=background to "on". One run at a time, each
+# batch), arm "ref" adds trainer.reference_scoring=background to "on"; arms "bf16" / "bf16_on" are
+# "off" / "on" with the engine following the bf16 trainer (rollout.engine_dtype=auto: a faster
+# engine that idles more, section 12). One run at a time, each
 # under /usr/bin/time -v (peak resident memory in console.log); run directories
 # $OUT/amd_elastic_<arm>_s<seed> (finished ones skipped), no checkpoints. CONVEYOR_SRC= pins the
 # code (a worktree), as in sao_experiments.sh. Compare:
@@ -22,6 +24,8 @@ for seed in $SEEDS; do
       on) opts="trainer.elastic_threads=true" ;;
       both) opts="trainer.elastic_threads=true rollout.elastic_threads=true" ;;
       ref) opts="trainer.elastic_threads=true trainer.reference_scoring=background" ;;
+      bf16) opts="trainer.elastic_threads=false rollout.engine_dtype=auto" ;;
+      bf16_on) opts="trainer.elastic_threads=true rollout.engine_dtype=auto" ;;
       *) echo "unknown arm $arm" >&2; exit 2 ;;
     esac
     dir="$OUT/amd_elastic_${arm}_s${seed}"
