@@ -62,6 +62,9 @@ class FakeRollout:
     def apply_old_logprobs(self, patches):
         self.calls.append(("patches", len(patches)))
 
+    def training_ended(self):
+        self.calls.append(("training_ended",))
+
 
 class FakePublisher:
     def __init__(self, calls, partial_sync_s=0.0):
@@ -257,3 +260,14 @@ def test_step_recorder_logs_row_batch_and_named_events():
                          ("proximal", {"keep_rate": 0.9})]
     assert printed and printed[0].startswith("step 5/10 reward 0.500 acc 0.250")  # every 5th step
     assert r.mean_seconds() == (0.2, 3.0)
+
+
+def test_both_rollout_sides_implement_every_method_of_the_port():
+    """The training loop calls the port's methods on whichever runtime's rollout it has (e.g.
+    ``training_ended`` when the loop ends), so the Ray side must have each of them too."""
+    from conveyor.runtime.ray import RayRollout
+
+    members = [m for m in vars(RolloutPort) if not m.startswith("_")]
+    assert "training_ended" in members and "next_batch" in members
+    for cls in (LocalRollout, RayRollout):
+        assert [m for m in members if not callable(getattr(cls, m, None))] == [], cls.__name__

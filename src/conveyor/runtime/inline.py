@@ -608,9 +608,7 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
             if interrupted else None
         controller.stop()
         publisher.stop()
-        stop_scoring = getattr(parts.rollout, "stop_reference_scoring", None)  # LocalRollout's
-        if stop_scoring is not None:
-            stop_scoring()
+        parts.rollout.training_ended()
         ctx.phase = "the final checkpoint"
         final_checkpoint(run_dir, trainer, controller, logger, cfg, error, interrupted)
         ctx.interrupts.end_graceful()  # from here a Ctrl-C stops at once

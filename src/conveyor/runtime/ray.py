@@ -786,6 +786,9 @@ class RayRollout:
         """Trajectories dropped since the previous call."""
         return self._h.call("take_not_trained")
 
+    def training_ended(self) -> None:
+        """Nothing runs for future batches on a Ray rollout (no off-update reference scoring)."""
+
     # the controller
     def start(self) -> None:
         """Start the controller in the actor."""

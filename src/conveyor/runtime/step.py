@@ -63,6 +63,11 @@ class RolloutPort(Protocol):
         """Trajectories dropped since the previous call (stale, filtered), for ``trained.jsonl``."""
         ...
 
+    def training_ended(self) -> None:
+        """The last update is done: stop work that only serves future batches (the reference
+        scorer of ``trainer.reference_scoring``). Idempotent."""
+        ...
+
 
 class LocalRollout:
     """:class:`RolloutPort` over an in-process :class:`~conveyor.rollout.controller.RolloutController`
@@ -108,9 +113,9 @@ class LocalRollout:
     def set_version(self, version: int) -> None:
         self.controller.set_version(version)
 
-    def stop_reference_scoring(self) -> None:
-        """Stop the reference scorer's thread (idempotent; nothing without one). The training
-        loop calls it when training ends: after the last update there is nothing to score for."""
+    def training_ended(self) -> None:
+        """Stop the reference scorer's thread (idempotent; nothing without one): after the last
+        update there is nothing to score for."""
         if self.reference is not None:
             self.reference.stop()
 
