@@ -12,19 +12,11 @@ import time
 
 import pytest
 import torch
+from engine_helpers import wait_until as _wait
 
 from conveyor.rollout.engine import InferenceEngine, SamplingParams
 from conveyor.rollout.engine import local as engine_local
 from conveyor.runtime.elastic import TrainerThreadBorrowing
-
-
-def _wait(pred, timeout: float = 10.0) -> bool:
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from engine_helpers import wait_until as _wait
 from test_trainer import make_trajs, reference_logprobs
 
 from conveyor.config import LossConfig, TrainConfig, TrainerConfig
@@ -120,15 +121,6 @@ def test_the_update_uses_attached_reference_values(tiny):
     off = second_update([[-1.0] * len(t.response_ids) for t in second])
     assert off["reference/precomputed_frac"] == 1.0
     assert off["train/kl_ref"] > plain["train/kl_ref"] + 0.1
-
-
-def _wait(cond, timeout=30.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_scorer_scores_buffered_trajectories_only_while_the_engine_idles(tiny):

@@ -64,8 +64,6 @@ class TrainerThreadBorrowing:
         self._borrowed_since: float | None = None
         self._step_borrows = 0
         self._step_seconds = 0.0
-        self.borrows = 0  # cumulative
-        self.borrowed_seconds = 0.0
         self._handles: list = []
         self._default = own
 
@@ -141,7 +139,6 @@ class TrainerThreadBorrowing:
             self._default = set_own_thread_count(self.own + self.extra)
             self._borrowed_since = time.perf_counter()
             self._step_borrows += 1
-            self.borrows += 1
 
     def _give_back(self) -> None:
         if self._borrowed_since is None:
@@ -151,7 +148,6 @@ class TrainerThreadBorrowing:
         dt = time.perf_counter() - self._borrowed_since
         self._borrowed_since = None
         self._step_seconds += dt
-        self.borrowed_seconds += dt
         self.engine.return_threads()
 
 
