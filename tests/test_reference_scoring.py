@@ -235,15 +235,23 @@ def test_engine_idle_reflects_waiting_and_running_requests(tiny):
 
 
 @pytest.mark.parametrize("mode", ["idle_engine", "background"])
-def test_a_run_scoring_the_reference_off_the_update_trains_on_precomputed_values(tmp_path, mode):
+def test_a_run_scoring_the_reference_off_the_update_trains_on_precomputed_values(tmp_path, mode, monkeypatch):
     """The inline runtime wires the scorer: it scores buffered trajectories while the engine
-    idles, the values reach the updates, and the run ends cleanly (the thread stopped)."""
+    idles, the values reach the updates, and the run ends cleanly (the thread stopped). In
+    ``background`` mode the thread asks for the lowest priority; here that request is recorded
+    and not applied (the priority itself: the test above), so the run does not depend on the
+    machine having spare CPU (a nice-19 thread got none beside two training runs and scored
+    nothing in 6 updates)."""
     import json
 
     from test_train_e2e import BASE
 
+    import conveyor.trainer.reference as reference
     from conveyor.config import load_config
     from conveyor.train import run_training
+
+    asked = []
+    monkeypatch.setattr(reference, "_lowest_priority", lambda: asked.append(1) or False)
 
     run = tmp_path / "r"
     cfg = load_config(None, BASE + ["trainer.total_steps=6", "async.eta=2", "loss.kl_coef=0.05",
@@ -258,3 +266,4 @@ def test_a_run_scoring_the_reference_off_the_update_trains_on_precomputed_values
     assert last["reference/attached_trajectories"] > 0
     assert any(r["reference/precomputed_frac"] > 0 for r in rows)
     assert not [t for t in threading.enumerate() if t.name == "conveyor-reference"]
+    assert asked == ([1] if mode == "background" else [])
