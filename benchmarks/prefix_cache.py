@@ -2,7 +2,12 @@
 ``rollout.prefix_cache_tokens`` 0 (today) and N, in one run.
 
 Usage: python benchmarks/prefix_cache.py [--model smollm2-135m-instruct|tiny] [--prompts 8]
-       [--cache-tokens 4096] [--threads 1] [--quick] [--output FILE.json]
+       [--cache-tokens 4096] [--threads 1] [--feed-baseline] [--quick] [--output FILE.json]
+
+``--feed-baseline`` (always with ``--quick``) adds a third side, the cache on with
+``prefix_feed_tokens=1`` (the engine before hits with a few tokens left were fed through decode
+steps: each ran a prefill pass of its own), and the ratios of that side over the cache with the
+default feeding.
 
 Each side runs the default main job's workflow (``build_workflow`` of the default config: MAWPS
 prompts, 8 responses per prompt, the calculator tool whose every call ends an engine request and
@@ -29,11 +34,13 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def _side(model, tok, workflow, samples, cache_tokens: int, threads: int) -> tuple[dict, list]:
+def _side(model, tok, workflow, samples, cache_tokens: int, threads: int,
+          feed_tokens: int | None = None) -> tuple[dict, list]:
     from conveyor.rollout.engine import InferenceEngine
 
+    feed = {} if feed_tokens is None else {"prefix_feed_tokens": feed_tokens}
     engine = InferenceEngine(copy.deepcopy(model), tok, max_batch_size=32, seed=0, num_threads=threads,
-                             prefix_cache_tokens=cache_tokens)
+                             prefix_cache_tokens=cache_tokens, **feed)
     engine.start()
     try:
         async def episodes():
@@ -51,8 +58,10 @@ def _side(model, tok, workflow, samples, cache_tokens: int, threads: int) -> tup
         "prefill_s": st["prefill_seconds"], "prefill_tokens": st["prefill_tokens"],
         "prefill_dedup_tokens": st["prefill_dedup_tokens"], "prefix_cache_hits": st["prefix_cache_hits"],
         "prefix_cache_hit_tokens": st["prefix_cache_hit_tokens"],
-        # hits with one prompt token left: that token ran in a decode step (no prefill, no hit token)
-        "prefix_hits_joined": st["prefix_hits_joined"], "engine_requests": st["num_requests"],
+        # hits with a few tokens left: decode steps ran them (no prefill pass, no hit tokens)
+        "prefix_hits_joined": st["prefix_hits_joined"], "prefix_fed_tokens": st["prefix_fed_tokens"],
+        "prefill_forwards": st["prefill_forwards"], "decode_steps": st["decode_steps"],
+        "engine_requests": st["num_requests"],
         "generated_tokens": st["generated_tokens"], "trajectories": len(trajs),
         # responses with at least one calculator result inserted (a second engine request or more)
         "trajectories_with_tool_results": sum(1 for t in trajs if t.action_mask and not all(t.action_mask)),
@@ -66,6 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--cache-tokens", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--feed-baseline", action="store_true",
+                    help="a third side: the cache on with prefix_feed_tokens=1 (each hit runs a pass of its own)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 2 prompts, 24 new tokens (CI smoke run)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
@@ -90,6 +101,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(off), flush=True)
         on, resp_on = _side(lm.model, lm.tokenizer, workflow, samples, args.cache_tokens, args.threads)
         print(json.dumps(on), flush=True)
+        if args.feed_baseline or args.quick:
+            feed1, resp_feed1 = _side(lm.model, lm.tokenizer, workflow, samples, args.cache_tokens, args.threads, 1)
+            print(json.dumps(feed1), flush=True)
     res = {
         "model": cfg.model.name, "prompts": prompts, "group_size": cfg.rollout.group_size,
         "max_new_tokens": cfg.rollout.max_new_tokens, "threads": args.threads, "off": off, "on": on,
@@ -99,6 +113,13 @@ def main(argv: list[str] | None = None) -> dict:
         "identical_responses": sum(a == b for a, b in zip(resp_off, resp_on, strict=True)) / len(resp_off),
         "torch": torch.__version__, "cpu_count": os.cpu_count(),
     }
+    if args.feed_baseline or args.quick:
+        res.update({
+            "feed1": feed1,
+            "engine_busy_ratio_feed1_over_on": feed1["engine_busy_s"] / on["engine_busy_s"],
+            "wall_ratio_feed1_over_on": feed1["wall_s"] / on["wall_s"],
+            "identical_responses_feed1": sum(a == b for a, b in zip(resp_feed1, resp_on, strict=True)) / len(resp_on),
+        })
     print(json.dumps(res))
     if args.output:
         with open(args.output, "w") as f:

@@ -156,12 +156,17 @@ def test_prefix_cache_benchmark_quick(quick):
     r = _run(quick, "test_prefix_cache_benchmark_quick")
     off, on = r["off"], r["on"]
     assert off["prefix_cache_hits"] == 0 and off["trajectories"] == on["trajectories"] == 16
-    # every admitted token is either run through the model (a prefill, or a joined hit's one token
-    # in a decode step), deduplicated, or served from the cache
-    assert off["prefix_hits_joined"] == 0
-    assert (off["prefill_tokens"] + off["prefill_dedup_tokens"]
-            == on["prefill_tokens"] + on["prefill_dedup_tokens"] + on["prefix_cache_hit_tokens"]
-            + on["prefix_hits_joined"])
+    # every admitted token is either run through the model (a prefill, or a joined hit's tokens
+    # in decode steps), deduplicated, or served from the cache
+    assert off["prefix_hits_joined"] == off["prefix_fed_tokens"] == 0
+    for side in (on, r["feed1"]):
+        assert (off["prefill_tokens"] + off["prefill_dedup_tokens"]
+                == side["prefill_tokens"] + side["prefill_dedup_tokens"] + side["prefix_cache_hit_tokens"]
+                + side["prefix_fed_tokens"])
+    # feeding only one token per hit (the engine before): each joined hit ran exactly one
+    assert r["feed1"]["prefix_hits_joined"] == r["feed1"]["prefix_fed_tokens"]
+    assert on["prefix_fed_tokens"] >= on["prefix_hits_joined"]
+    assert r["engine_busy_ratio_feed1_over_on"] == pytest.approx(r["feed1"]["engine_busy_s"] / on["engine_busy_s"])
     assert r["identical_responses"] == 1.0  # the same computation: the same responses here
     assert r["engine_busy_ratio_off_over_on"] == pytest.approx(off["engine_busy_s"] / on["engine_busy_s"])
 

@@ -361,12 +361,15 @@ def test_set_num_threads_changes_the_decode_thread_only_between_steps(ref):
     assert torch.get_num_threads() == before  # the caller's threads never change
 
 
-def _prefix_run(cache_tokens, prompts, update=None):
-    """Greedy turns through one engine: the prompts, then each output + 2 more tokens (a tool
-    turn), then five copies of the first prompt sampled at T = 1; with ``update`` the weights
-    change between the first and second turn."""
+def _prefix_run(cache_tokens, prompts, update=None, feed=8):
+    """Greedy turns through one engine: the prompts; each prompt + 3 more tokens (a short
+    observation: 4 tokens left after the prompt's cached keys); each of those + its output + 12
+    more (a long one: 22 left); five copies of the first prompt sampled at T = 1. With ``update``
+    the weights change between the first and second turn. Every turn ends at its 6-token limit
+    (the token 50 never comes), so only prefilled prompts are cached."""
     model, tok = fresh_model()
-    eng = InferenceEngine(model, tok, max_batch_size=4, num_threads=1, seed=1, prefix_cache_tokens=cache_tokens)
+    eng = InferenceEngine(model, tok, max_batch_size=4, num_threads=1, seed=1, prefix_cache_tokens=cache_tokens,
+                          prefix_feed_tokens=feed)
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(50,))
 
     def together(ps, sp):  # submitted while paused: admitted in one round (the pass counts below)
@@ -379,56 +382,119 @@ def _prefix_run(cache_tokens, prompts, update=None):
         first = together(prompts, greedy)
         if update is not None:
             eng.update_weights(update)
-        cont = [o.prompt_ids + o.token_ids + [100, 200] for o in first]
-        second = together(cont, greedy)
+        second = together([p + [100, 200, 300] for p in prompts], greedy)
+        third = together([o.prompt_ids + o.token_ids + list(range(400, 412)) for o in second], greedy)
         # the five copies wait together: four are admitted in one step
         same = together([prompts[0]] * 5, SamplingParams(max_new_tokens=6, temperature=1.0))
-        return first, second, same, eng.stats()
+        return first, second, third, same, eng.stats()
 
 
 def test_prefix_cache_reuses_keys_values_and_changes_nothing_computed(ref):
-    """A tool turn (output + observation) and a group's later responses run only their new
-    tokens through the model; tokens and log-probs are those of a full prefill."""
+    """Tool turns (output + observation) and a group's later responses run only their new tokens
+    through the model; tokens and log-probs are those of a full prefill. A hit with at most
+    ``_FEED_MAX_TOKENS`` tokens left runs them in decode steps (no pass of its own)."""
+    from conveyor.rollout.engine.local import _FEED_MAX_TOKENS
+
+    assert 3 + 1 <= _FEED_MAX_TOKENS < 12 + 1  # the short result is fed, the long one prefilled
     _, _, prompts = ref
     off = _prefix_run(0, prompts)
     on = _prefix_run(4096, prompts)
-    for a, b in zip(off[:3], on[:3], strict=True):
+    for a, b in zip(off[:4], on[:4], strict=True):
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
         assert [o.versions for o in a] == [o.versions for o in b]
         lp_a = torch.tensor([x for o in a for x in o.logprobs])
         assert torch.allclose(lp_a, torch.tensor([x for o in b for x in o.logprobs]), atol=1e-4)
-    st_off, st_on = off[3], on[3]
+    assert {o.finish_reason for r in (off, on) for turn in r[:3] for o in turn} == {"length"}
+    st_off, st_on = off[4], on[4]
     assert st_off["prefix_cache_hits"] == 0 and st_off["prefix_cache_tokens"] == 0
-    # every continuation and every copy of prompt 0 hit; they ran far fewer tokens. The copies had
-    # all but their last token cached: they joined the running batch, whose decode step ran that
-    # token (no prefill pass of their own)
-    assert st_on["prefix_cache_hits"] == len(prompts) + 5
-    assert st_off["prefix_hits_joined"] == 0 and st_on["prefix_hits_joined"] == 5
+    # every continuation and every copy of prompt 0 hit; they ran far fewer tokens. The short
+    # observations (4 tokens left: the prompt's last + 3) and the copies (their last token) joined
+    # the running batch, whose decode steps ran those tokens (no prefill pass of their own)
+    n = len(prompts)
+    assert st_on["prefix_cache_hits"] == 2 * n + 5
+    assert st_off["prefix_hits_joined"] == 0 and st_on["prefix_hits_joined"] == n + 5
+    assert st_off["prefix_fed_tokens"] == 0 and st_on["prefix_fed_tokens"] == 4 * n + 5
     assert (st_on["prefill_tokens"] + st_on["prefix_cache_hit_tokens"] + st_on["prefill_dedup_tokens"]
-            + st_on["prefix_hits_joined"]
+            + st_on["prefix_fed_tokens"]
             == st_off["prefill_tokens"] + st_off["prefill_dedup_tokens"])  # every admitted token once
     assert st_on["prefill_tokens"] < st_off["prefill_tokens"] / 2
-    # passes without the cache: the prompts, the continuations, the copies (four, then one); with it
-    # the joined copies ran none of their own
-    assert st_off["prefill_forwards"] == 4 and st_on["prefill_forwards"] == 2
+    # the fed rows sampled nothing while running their tokens: as many tokens generated as without
+    assert st_on["generated_tokens"] == st_off["generated_tokens"]
+    # passes without the cache: the prompts, two rounds of continuations, the copies (four, then
+    # one); with it the prompts and the long results' hit pass: the joined rows ran none
+    assert st_off["prefill_forwards"] == 5 and st_on["prefill_forwards"] == 2
     for st in (st_off, st_on):  # each prefill pass counted; admitting into the running batch timed
         assert st["merge_seconds"] > 0
         prof = st["prefill_profile"]
         assert sum(v[0] for v in prof.values()) == st["prefill_forwards"]
         assert sum(v[3] for v in prof.values()) == pytest.approx(st["prefill_seconds"])
-    assert "prefix_hit" not in st_off["prefill_profile"] and st_on["prefill_profile"]["prefix_hit"][1] == len(prompts)
+    assert "prefix_hit" not in st_off["prefill_profile"] and st_on["prefill_profile"]["prefix_hit"][1] == n
     # without the cache, the four copies admitted together (max_batch_size=4) were prefilled once
     assert st_off["prefill_dedup_tokens"] == 3 * len(prompts[0])
+    # prefix_feed_tokens=1 (the engine before feeding): only the copies join; the short
+    # observations run a hit pass of their own, with the same results
+    one = _prefix_run(4096, prompts, feed=1)
+    assert [o.token_ids for o in one[1]] == [o.token_ids for o in on[1]]
+    assert one[4]["prefix_hits_joined"] == one[4]["prefix_fed_tokens"] == 5
+    assert one[4]["prefill_forwards"] == 3 and one[4]["prefill_profile"]["prefix_hit"][1] == 2 * n
     # a weight update clears the cache: the continuations run in full with the new weights
     model, _ = fresh_model()
     upd = WeightUpdate(version=1, tensors={n: p.detach() * 1.01 for n, p in model.named_parameters()})
     off_u, on_u = _prefix_run(0, prompts, upd), _prefix_run(4096, prompts, upd)
     assert [o.token_ids for o in off_u[1]] == [o.token_ids for o in on_u[1]]
-    # nothing from before the update is reused: the continuations miss, the four copies admitted
-    # together miss (prefilled once), and only the fifth hits the prompt cached after the update
-    assert on_u[3]["prefix_cache_hits"] == 1
+    assert [o.token_ids for o in off_u[2]] == [o.token_ids for o in on_u[2]]
+    # nothing from before the update is reused: the short observations miss; the long ones hit
+    # what those left after the update, the four copies admitted together miss (prefilled once),
+    # and only the fifth hits the prompt cached after the update
+    assert on_u[4]["prefix_cache_hits"] == n + 1
     with pytest.raises(ValueError, match="prefix_cache_tokens must be an int >= 0"):
         InferenceEngine(*fresh_model(), prefix_cache_tokens=-1)
+    with pytest.raises(ValueError, match="prefix_feed_tokens must be an int >= 1"):
+        InferenceEngine(*fresh_model(), prefix_feed_tokens=0)
+
+
+def test_a_weight_update_while_rows_run_fed_tokens_reencodes_them_whole(ref):
+    """A weight update that lands while prefix hits are still running their fed tokens in decode
+    steps: the re-encode runs the whole sequence with the new weights and the rows sample from
+    there; every token of the turn is the new version's, as if the update had come first."""
+    _, _, prompts = ref
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(50,))
+    model, _ = fresh_model()
+    upd = WeightUpdate(version=1, tensors={n: p.detach() * 1.02 for n, p in model.named_parameters()})
+    obs = [100, 200, 300, 400, 500]  # after a prompt's cached keys, 6 tokens left: fed in decode steps
+
+    def run(cache_tokens, update_mid_feed):
+        eng = InferenceEngine(*fresh_model(), max_batch_size=4, num_threads=1, seed=1,
+                              prefix_cache_tokens=cache_tokens)
+        seen = []
+        decode = eng._decode
+
+        def decode_then_update():  # decode thread: after the first step that fed tokens, update
+            feeding = any(r.feed for r in eng._batch.reqs)
+            decode()
+            if feeding and not seen:
+                seen.append(len(eng._batch.reqs))
+                eng.update_weights(upd, wait=False)  # applied before the next step
+
+        eng._decode = decode_then_update
+        with eng:
+            for f in [eng.submit(p, greedy) for p in prompts]:  # caches each prompt but its last token
+                f.result(timeout=60)
+            if not update_mid_feed:
+                eng.update_weights(upd)
+            eng.pause()
+            futs = [eng.submit(p + obs, greedy) for p in prompts]
+            eng.resume()
+            return [f.result(timeout=60) for f in futs], eng.stats(), seen
+
+    mid, st_mid, seen = run(4096, True)
+    ref_out, st_ref, _ = run(0, False)
+    assert seen == [len(prompts)]  # every row was feeding when the update came
+    assert st_mid["prefix_hits_joined"] == len(prompts) and st_mid["reencoded_tokens"] > 0
+    assert [o.token_ids for o in mid] == [o.token_ids for o in ref_out]
+    assert all(v == 1 for o in mid for v in o.versions)
+    lp = torch.tensor([x for o in mid for x in o.logprobs])
+    assert torch.allclose(lp, torch.tensor([x for o in ref_out for x in o.logprobs]), atol=1e-4)
 
 
 def test_prefix_cache_is_lru_within_its_token_budget():

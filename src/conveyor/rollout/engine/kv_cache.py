@@ -87,6 +87,10 @@ class _Request:
     # kept set of each sampled token (truncated sampling only); appended before token_ids, so a
     # concurrent snapshot of token_ids never has more tokens than support
     support: list[torch.Tensor] = field(default_factory=list)
+    # tokens of ``prompt_ids`` still to run through the model before the next sample (a prefix-cache
+    # hit joined the running batch with them: each decode step runs one, samples nothing for this
+    # row, and takes the next; empty otherwise). A re-encode runs them all and empties it.
+    feed: list[int] = field(default_factory=list)
 
     def sampling_mask(self, n: int) -> SamplingMask | None:
         """The kept sets of the first ``n`` tokens as CSR; None without truncation."""

@@ -51,6 +51,12 @@ RECLAIM_TIMEOUT_S = 10.0
 """Longest wait (s) of the decode thread for cores it lent (:meth:`InferenceEngine.lend_threads`)
 once work has arrived; then it runs anyway and does not wait again until they are given back."""
 _PREFILL_MAX_TOKENS = 8192  # padded tokens (rows x longest sequence) per prefill forward pass
+_FEED_MAX_TOKENS = 8
+"""A prefix-cache hit with at most this many tokens left to run joins the running batch and its
+decode steps run those tokens, one per step (:meth:`InferenceEngine._join_from_prefix`), instead
+of a prefill pass of its own. A calculator result is 2-8 tokens; a pass of one or two rows cost
+0.11-0.15 s in the main job (the float32 engine), one more row in a decode step ~5-10 ms
+(docs/results/main_job.md, section 15)."""
 
 
 def _priority(req: _Request) -> int:
@@ -100,6 +106,10 @@ class InferenceEngine:
             update. Memory: ``2 x layers x kv heads x head dim x dtype bytes`` per token (46 KB
             for SmolLM2 in float32). Requests with the same prompt admitted together are
             prefilled once whatever the budget.
+        prefix_feed_tokens: A prefix-cache hit with at most this many tokens left joins the
+            running batch and its decode steps run them, one per step, instead of a prefill pass
+            of its own (default ``_FEED_MAX_TOKENS`` = 8; 1: only a group-mate's last prompt
+            token, the engine before 2026-12-06; >= 1).
         lora_base: Parameter name -> base weight ``W0`` (``[out, in]``) for an engine that
             receives LoRA adapters (``lora.sync=adapter``; :class:`~conveyor.sync.LoraFactors`):
             an update's factors for a name set that weight to ``W0 + scale * B @ A``, always from
@@ -141,6 +151,7 @@ class InferenceEngine:
         track_partials: bool = False,
         reencode_on_update: bool = True,
         prefix_cache_tokens: int = 0,
+        prefix_feed_tokens: int = _FEED_MAX_TOKENS,
         lora_base: dict[str, torch.Tensor] | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -154,6 +165,8 @@ class InferenceEngine:
             raise ValueError(f"num_threads must be an int >= 1 or None, got {num_threads!r}")
         if not _is_int(prefix_cache_tokens) or prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be an int >= 0, got {prefix_cache_tokens!r}")
+        if not _is_int(prefix_feed_tokens) or prefix_feed_tokens < 1:
+            raise ValueError(f"prefix_feed_tokens must be an int >= 1, got {prefix_feed_tokens!r}")
         config = (
             model.config.get_text_config(decoder=True)
             if hasattr(model.config, "get_text_config")
@@ -202,6 +215,7 @@ class InferenceEngine:
         self._num_threads = num_threads
         self._threads_wanted: int | None = None  # set_num_threads, applied by the decode thread
         self._prefix_cache = _PrefixCache(prefix_cache_tokens)
+        self._feed_tokens = prefix_feed_tokens
 
         self._cond = threading.Condition()
         self._model_lock = threading.Lock()
@@ -244,7 +258,8 @@ class InferenceEngine:
             thread_changes=0,  # set_num_threads applied (elastic cores)
             prefix_cache_hits=0,  # requests whose prompt extended a cached prefix
             prefix_cache_hit_tokens=0,  # prompt tokens those requests did not run through the model
-            prefix_hits_joined=0,  # hits with one token left, run by the next decode step (no prefill pass)
+            prefix_hits_joined=0,  # hits with <= prefix_feed_tokens left, run by decode steps (no prefill pass)
+            prefix_fed_tokens=0,  # the tokens those hits ran in decode steps
             prefill_dedup_tokens=0,  # tokens of identical sequences prefilled once (admitted together)
             prefill_forwards=0,  # prefill / re-encode forward passes
             merge_seconds=0.0,  # s copying the running batch's keys / values to admit requests into it
@@ -551,16 +566,18 @@ class InferenceEngine:
             ``num_threads`` (intra-op threads of the decode thread now, 0 before it started),
             ``thread_changes`` (:meth:`set_num_threads` changes applied), ``prefix_cache_hits``,
             ``prefix_cache_hit_tokens`` (prompt tokens the prefix cache saved from the model),
-            ``prefix_hits_joined`` (hits with one token left: they joined the running batch and
-            the next decode step ran that token, no prefill pass of their own; that token is
-            counted in neither ``prefill_tokens`` nor ``prefix_cache_hit_tokens``),
+            ``prefix_hits_joined`` (hits with at most ``prefix_feed_tokens`` tokens left: they
+            joined the running batch and its decode steps ran those tokens, one per step, no
+            prefill pass of their own), ``prefix_fed_tokens`` (the tokens they ran that way: counted
+            in neither ``prefill_tokens`` nor ``prefix_cache_hit_tokens``),
             ``prefill_dedup_tokens`` (tokens of identical prompts admitted together, prefilled
             once), ``prefill_forwards`` (prefill and re-encode forward passes), ``merge_seconds``
             (s copying keys / values to admit prefilled requests into the running batch; not
             part of ``busy_seconds``), ``prefill_profile`` (``{"reencode" | "admit" |
             "prefix_hit": [forward passes, rows, padded tokens, seconds]}``: re-encodes after
             weight updates, admissions that missed the prefix cache, admissions that hit it with
-            more than one token left; joined hits run no pass and are not counted here),
+            more than ``prefix_feed_tokens`` tokens left; joined hits run no pass and are not
+            counted here),
             ``prefix_cache_tokens`` (held now), ``decode_profile`` (``{batch size: [decode steps,
             seconds]}``, seconds of the decode forward passes, used with ``sample_seconds`` to
             calibrate ``conveyor simulate``), and, for cores lent while idle (:meth:`lend_threads`),
@@ -1068,10 +1085,11 @@ class InferenceEngine:
                     misses.append(req)
                 else:
                     hits.setdefault(len(seq) - hit[0], []).append((req, *hit))
+            joined = [h for left, group in hits.items() if left <= self._feed_tokens for h in group]
+            if joined:  # a few tokens left (a tool's result, a group-mate's last prompt token): decode steps run them
+                self._join_from_prefix(joined)
             for left, group in hits.items():
-                if left == 1:  # all but the last token cached: that token runs in the next decode step
-                    self._join_from_prefix(group)
-                else:
+                if left > self._feed_tokens:
                     self._prefill_from_prefix(group)
             if misses:
                 self._prefill(misses, kind="admit")
@@ -1117,6 +1135,8 @@ class InferenceEngine:
             i += n
 
     def _prefill_chunk(self, reqs: list[_Request], kind: str) -> None:
+        for r in reqs:  # a re-encode runs the whole sequence, tokens still to be fed included
+            r.feed = []
         all_seqs = [r.prompt_ids + r.token_ids for r in reqs]
         # identical sequences (a group's prompt admitted together) run through the model once
         first: dict[tuple[int, ...], int] = {}
@@ -1236,19 +1256,26 @@ class InferenceEngine:
         return torch.tensor([past - n for n in cached], dtype=torch.long), layers
 
     def _join_from_prefix(self, hits: list[tuple[_Request, int, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
-        """Admit prefix-cache hits with all but their last token cached (a group-mate whose
-        prompt a sibling prefilled) without a forward pass of their own: they join the running
-        batch with that token as their pending input, so the next decode step runs it and samples
-        their first token from its logits (the same computation as a one-token prefill, one
-        forward pass fewer per admission round). ``hits`` as in :meth:`_prefill_from_prefix`."""
+        """Admit prefix-cache hits with at most ``prefix_feed_tokens`` tokens left without a
+        forward pass of their own: they join the running batch with the first uncached token as
+        their pending input and the others in :attr:`_Request.feed`; each decode step runs one of
+        them (a group-mate whose sibling prefilled the shared prompt: one; a tool's result: a
+        few) and the step after the last one samples the row's next token from its logits. The
+        same computation as a prefill of those tokens, one query at a time; no pass of one or two
+        rows each admission round. ``hits`` as in :meth:`_prefill_from_prefix`, any number of
+        tokens left (1 to ``prefix_feed_tokens``)."""
         reqs = [r for r, _, _ in hits]
-        pad, layers = self._cached_rows(hits, 1)
-        last = torch.tensor([(r.prompt_ids + r.token_ids)[-1] for r in reqs], dtype=torch.long)
+        rest = [(r.prompt_ids + r.token_ids)[n:] for r, n, _ in hits]
+        pad, layers = self._cached_rows(hits, max(len(x) for x in rest))
+        for r, x in zip(reqs, rest, strict=True):
+            r.feed = x[1:]
+        first = torch.tensor([x[0] for x in rest], dtype=torch.long)
         with self._cond:
             self._stats["prefix_cache_hits"] += len(hits)
             self._stats["prefix_cache_hit_tokens"] += sum(n for _, n, _ in hits)
             self._stats["prefix_hits_joined"] += len(hits)
-        self._join(_Batch(reqs=reqs, layers=layers, pad=pad, length=layers[0].length, pending=last,
+            self._stats["prefix_fed_tokens"] += sum(len(x) for x in rest)
+        self._join(_Batch(reqs=reqs, layers=layers, pad=pad, length=layers[0].length, pending=first,
                           plan=_make_plan([r.params for r in reqs])))
 
     def _decode(self) -> None:
@@ -1276,7 +1303,23 @@ class InferenceEngine:
             prof = self._decode_profile.setdefault(len(batch.reqs), [0, 0.0])
             prof[0] += 1
             prof[1] += dt
-        batch.pending = self._sample_and_record(batch.reqs, out.logits[:, -1, :], batch.plan)
+        logits = out.logits[:, -1, :]
+        fed = [i for i, r in enumerate(batch.reqs) if r.feed]
+        if not fed:
+            batch.pending = self._sample_and_record(batch.reqs, logits, batch.plan)
+        else:  # rows still running a prefix hit's tokens take their next one and sample nothing
+            pending = batch.pending.clone()
+            for i in fed:
+                pending[i] = batch.reqs[i].feed.pop(0)
+            fed_rows = set(fed)
+            rows = [i for i in range(len(batch.reqs)) if i not in fed_rows]
+            if rows:
+                idx = torch.tensor(rows, dtype=torch.long)
+                reqs = [batch.reqs[i] for i in rows]
+                tokens = self._sample_and_record(reqs, logits.index_select(0, to(idx, logits.device)),
+                                                 _make_plan([r.params for r in reqs]))
+                pending.index_copy_(0, idx, tokens)
+            batch.pending = pending
         done = [r.finish_reason is not None for r in batch.reqs]
         if any(done):
             if self._prefix_cache.max_tokens:
