@@ -2,12 +2,16 @@
 ``rollout.prefix_cache_tokens`` 0 (today) and N, in one run.
 
 Usage: python benchmarks/prefix_cache.py [--model smollm2-135m-instruct|tiny] [--prompts 8]
-       [--cache-tokens 4096] [--threads 1] [--feed-baseline] [--quick] [--output FILE.json]
+       [--cache-tokens 4096] [--threads 1] [--update-every S] [--feed-baseline] [--quick]
+       [--output FILE.json]
 
 ``--feed-baseline`` (always with ``--quick``) adds a third side, the cache on with
 ``prefix_feed_tokens=1`` (the engine before hits with a few tokens left were fed through decode
 steps: each ran a prefill pass of its own), and the ratios of that side over the cache with the
-default feeding.
+default feeding. ``--update-every S`` publishes the same weights as a new version every ``S``
+seconds during each side: every update re-encodes the rows in
+flight, whole without the cache, a group's shared prompt once with it; reported per side
+(``reencode_profile``) and as the ratio of re-encode seconds per re-encoded token.
 
 Each side runs the default main job's workflow (``build_workflow`` of the default config: MAWPS
 prompts, 8 responses per prompt, the calculator tool whose every call ends an engine request and
@@ -29,28 +33,46 @@ import copy
 import json
 import os
 import sys
+import threading
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _side(model, tok, workflow, samples, cache_tokens: int, threads: int,
-          feed_tokens: int | None = None) -> tuple[dict, list]:
+          feed_tokens: int | None = None, update_every: float = 0.0) -> tuple[dict, list]:
     from conveyor.rollout.engine import InferenceEngine
+    from conveyor.sync import WeightUpdate
 
     feed = {} if feed_tokens is None else {"prefix_feed_tokens": feed_tokens}
     engine = InferenceEngine(copy.deepcopy(model), tok, max_batch_size=32, seed=0, num_threads=threads,
                              prefix_cache_tokens=cache_tokens, **feed)
+    done = threading.Event()
+
+    def publish():  # the same weights as a new version every update_every s: each one re-encodes the rows in flight
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        version = 0
+        while not done.wait(update_every):
+            version += 1
+            engine.update_weights(WeightUpdate(version=version, tensors=weights))
+
+    publisher = threading.Thread(target=publish, daemon=True) if update_every > 0 else None
     engine.start()
     try:
         async def episodes():
             return await asyncio.gather(*[workflow.run_episode(engine, s) for s in samples])
 
+        if publisher is not None:
+            publisher.start()
         t0 = time.perf_counter()
         groups = asyncio.run(episodes())
         wall = time.perf_counter() - t0
+        done.set()
+        if publisher is not None:
+            publisher.join()
         st = engine.stats()
     finally:
+        done.set()
         engine.stop()
     trajs = [t for g in groups for t in g]
     out = {
@@ -61,6 +83,11 @@ def _side(model, tok, workflow, samples, cache_tokens: int, threads: int,
         # hits with a few tokens left: decode steps ran them (no prefill pass, no hit tokens)
         "prefix_hits_joined": st["prefix_hits_joined"], "prefix_fed_tokens": st["prefix_fed_tokens"],
         "prefill_forwards": st["prefill_forwards"], "decode_steps": st["decode_steps"],
+        # weight updates (--update-every): rows re-encoded, their tokens taken from a shared
+        # prefix prefilled once, and the re-encode passes' [passes, rows, padded tokens, seconds]
+        "weight_updates": st["num_weight_updates"], "reencoded_tokens": st["reencoded_tokens"],
+        "reencode_prefix_tokens": st["reencode_prefix_tokens"],
+        "reencode_profile": st["prefill_profile"].get("reencode", [0, 0, 0, 0.0]),
         "engine_requests": st["num_requests"],
         "generated_tokens": st["generated_tokens"], "trajectories": len(trajs),
         # responses with at least one calculator result inserted (a second engine request or more)
@@ -75,6 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--cache-tokens", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--update-every", type=float, default=0.0,
+                    help="publish the same weights as a new version every S seconds (each re-encodes the rows in flight)")
     ap.add_argument("--feed-baseline", action="store_true",
                     help="a third side: the cache on with prefix_feed_tokens=1 (each hit runs a pass of its own)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 2 prompts, 24 new tokens (CI smoke run)")
@@ -97,12 +126,15 @@ def main(argv: list[str] | None = None) -> dict:
     samples = load_dataset(cfg.data.train, split_seed=cfg.data.split_seed)[:prompts]
     with RewardService(cfg.reward.fn, timeout_s=600.0, max_workers=1, metrics=ANSWER_METRICS) as rewards:
         workflow = build_workflow(cfg, lm.tokenizer, rewards, version=0)
-        off, resp_off = _side(lm.model, lm.tokenizer, workflow, samples, 0, args.threads)
+        off, resp_off = _side(lm.model, lm.tokenizer, workflow, samples, 0, args.threads,
+                              update_every=args.update_every)
         print(json.dumps(off), flush=True)
-        on, resp_on = _side(lm.model, lm.tokenizer, workflow, samples, args.cache_tokens, args.threads)
+        on, resp_on = _side(lm.model, lm.tokenizer, workflow, samples, args.cache_tokens, args.threads,
+                            update_every=args.update_every)
         print(json.dumps(on), flush=True)
         if args.feed_baseline or args.quick:
-            feed1, resp_feed1 = _side(lm.model, lm.tokenizer, workflow, samples, args.cache_tokens, args.threads, 1)
+            feed1, resp_feed1 = _side(lm.model, lm.tokenizer, workflow, samples, args.cache_tokens, args.threads, 1,
+                                      update_every=args.update_every)
             print(json.dumps(feed1), flush=True)
     res = {
         "model": cfg.model.name, "prompts": prompts, "group_size": cfg.rollout.group_size,
@@ -111,6 +143,11 @@ def main(argv: list[str] | None = None) -> dict:
         "prefill_s_ratio_off_over_on": off["prefill_s"] / max(on["prefill_s"], 1e-9),
         "wall_ratio_off_over_on": off["wall_s"] / on["wall_s"],
         "identical_responses": sum(a == b for a, b in zip(resp_off, resp_on, strict=True)) / len(resp_off),
+        "update_every_s": args.update_every,
+        # re-encode seconds per re-encoded token, without the cache (every row whole) over with it
+        "reencode_s_per_token_ratio_off_over_on": (
+            (off["reencode_profile"][3] / off["reencoded_tokens"]) / (on["reencode_profile"][3] / on["reencoded_tokens"])
+            if off["reencoded_tokens"] and on["reencoded_tokens"] and on["reencode_profile"][3] else None),
         "torch": torch.__version__, "cpu_count": os.cpu_count(),
     }
     if args.feed_baseline or args.quick:

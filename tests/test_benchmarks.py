@@ -49,6 +49,7 @@ SCRIPTS: dict[str, tuple[str, list[str]]] = {
     "test_trainer_benchmark_quick": ("trainer.py", []),  # ~41 s
     "test_critic_benchmark_quick": ("critic.py", ["--json", "{out}/critic.json"]),  # ~20 s
     "test_prefix_cache_benchmark_quick": ("prefix_cache.py", []),  # ~13 s
+    "test_prefix_cache_benchmark_with_updates_quick": ("prefix_cache.py", ["--update-every", "0.1"]),  # ~13 s
     "test_engine_benchmark_quick": ("engine.py", ["--dtype", "bfloat16", "--baseline"]),  # ~12 s
     "test_behaviour_weight_benchmark_quick": ("behaviour_weight.py", ["--compare"]),  # ~10 s
     "test_weight_sync_benchmark_quick": ("weight_sync.py", []),  # ~10 s
@@ -72,12 +73,13 @@ def _kill_group(p: subprocess.Popen) -> None:
         pass
 
 
-def _launch(script: str, args: list[str], out: Path) -> subprocess.CompletedProcess:
+def _launch(script: str, args: list[str], out: Path, name: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     # nice 19: idle cores only while other tests run (coreutils' nice: a preexec_fn can deadlock in threads)
     cmd = ["nice", "-n", "19", sys.executable, str(ROOT / "benchmarks" / script), "--quick", *args]
     # output to files, not pipes: a child the script started keeps no reader of ours waiting
-    stdout, stderr = out / f"{script}.stdout", out / f"{script}.stderr"
+    # named by the test: two tests may run the same script
+    stdout, stderr = out / f"{name}.stdout", out / f"{name}.stderr"
     with _LOCK:
         if _STARTED.get("stopped"):
             raise RuntimeError("the test session ended before this script started")
@@ -104,7 +106,8 @@ def start_scripts(selected: set[str]) -> None:
         return
     out = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
     pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="bench")
-    futures = {t: pool.submit(_launch, SCRIPTS[t][0], [a.format(out=out) for a in SCRIPTS[t][1]], out) for t in todo}
+    futures = {t: pool.submit(_launch, SCRIPTS[t][0], [a.format(out=out) for a in SCRIPTS[t][1]], out, t)
+               for t in todo}
     _STARTED.update(futures=futures, out=out, pool=pool)
 
 
@@ -168,7 +171,24 @@ def test_prefix_cache_benchmark_quick(quick):
     assert on["prefix_fed_tokens"] >= on["prefix_hits_joined"]
     assert r["engine_busy_ratio_feed1_over_on"] == pytest.approx(r["feed1"]["engine_busy_s"] / on["engine_busy_s"])
     assert r["identical_responses"] == 1.0  # the same computation: the same responses here
+    assert r["update_every_s"] == 0 and off["weight_updates"] == on["weight_updates"] == 0
     assert r["engine_busy_ratio_off_over_on"] == pytest.approx(off["engine_busy_s"] / on["engine_busy_s"])
+
+
+def test_prefix_cache_benchmark_with_updates_quick(quick):
+    """``--update-every 0.1``: the same weights published every 0.1 s re-encode the rows in
+    flight; with the cache a group's shared prompt runs once for its rows, without it never."""
+    r = _run(quick, "test_prefix_cache_benchmark_with_updates_quick")
+    off = r["off"]
+    assert r["update_every_s"] == 0.1 and off["weight_updates"] > 0 and off["reencoded_tokens"] > 0
+    assert off["reencode_prefix_tokens"] == 0
+    per_token = off["reencode_profile"][2] / off["reencoded_tokens"]  # padded tokens run per token re-encoded
+    for side in (r["on"], r["feed1"]):
+        if side["reencoded_tokens"]:  # (a side can end before its first update)
+            assert 0 < side["reencode_prefix_tokens"] < side["reencoded_tokens"]
+            assert side["reencode_profile"][2] / side["reencoded_tokens"] < per_token / 2
+    # the same computation up to float rounding (the updates land at different moments on each side)
+    assert r["identical_responses"] >= 0.9
 
 
 def test_trainer_benchmark_quick(quick):

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from engine_helpers import until_decoding
+from engine_helpers import until_decoding, wait_until
 
 from conveyor.models import load_model
 from conveyor.rollout.engine import (
@@ -495,6 +495,86 @@ def test_a_weight_update_while_rows_run_fed_tokens_reencodes_them_whole(ref):
     assert all(v == 1 for o in mid for v in o.versions)
     lp = torch.tensor([x for o in mid for x in o.logprobs])
     assert torch.allclose(lp, torch.tensor([x for o in ref_out for x in o.logprobs]), atol=1e-4)
+
+
+def test_shared_prefixes_by_hand():
+    from conveyor.rollout.engine.local import _shared_prefixes
+
+    assert _shared_prefixes([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9]], 2) == [(1, 2), (1, 2, 3)]
+    assert _shared_prefixes([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9]], 3) == [(1, 2, 3)]
+    # identical rows: all but the last token (one is left to run for its logits)
+    assert _shared_prefixes([[7, 8, 9], [7, 8, 9]], 1) == [(7, 8)]
+    # a row that is a prefix of another: capped at its length - 1 for it, the full LCP for the other
+    assert _shared_prefixes([[1, 2, 3], [1, 2, 3, 4]], 1) == [(1, 2), (1, 2, 3)]
+    assert _shared_prefixes([[1, 2], [3, 4]], 1) == [] and _shared_prefixes([[1, 2, 3]], 1) == []
+
+
+def test_plan_hit_passes_by_hand():
+    from conveyor.rollout.engine.local import _plan_hit_passes
+
+    # one pass of 4 rows x 10 tokens + 16 = 56; two passes [10, 9] [2, 1]: 20 + 16 + 4 + 16 = 56:
+    # a tie, the fewer passes kept; with a pass worth 8 tokens the split wins (48 < 52)
+    assert _plan_hit_passes([10, 9, 2, 1], [50] * 4, 16, 8192) == [[0, 1, 2, 3]]
+    assert _plan_hit_passes([10, 9, 2, 1], [50] * 4, 8, 8192) == [[0, 1], [2, 3]]
+    # rows come back largest left first, whatever their order in
+    assert _plan_hit_passes([1, 2, 9, 10], [50] * 4, 8, 8192) == [[3, 2], [1, 0]]
+    # a row shorter than a pass's S cannot be in it (it has too few tokens to run S)
+    assert _plan_hit_passes([10, 2], [50, 5], 1000, 8192) == [[0], [1]]
+    # the token budget per pass: 3 rows x 10 > 25, so two passes although a pass costs a lot
+    assert sorted(len(x) for x in _plan_hit_passes([10, 10, 10], [50] * 3, 1000, 25)) == [1, 2]
+    assert _plan_hit_passes([], [], 16, 8192) == []
+
+
+def test_a_reencode_prefills_a_groups_shared_prompt_once_and_changes_nothing_computed(ref):
+    """After a weight update the in-flight rows are re-encoded; with the prefix cache on, each
+    group's prompt runs once and each row only its response so far (packed into few passes,
+    a row with fewer tokens left recomputing the end of its prefix): the same tokens, log-probs
+    and versions as re-encoding every row whole, far fewer tokens."""
+    _, _, prompts = ref
+    model, _ = fresh_model()
+    upd = WeightUpdate(version=1, tensors={n: p.detach() * 1.02 for n, p in model.named_parameters()})
+    sp = SamplingParams(max_new_tokens=10, temperature=1.0)
+
+    def run(cache_tokens):
+        eng = InferenceEngine(*fresh_model(), max_batch_size=8, num_threads=1, seed=1,
+                              prefix_cache_tokens=cache_tokens)
+        steps, futs = [], []
+        decode = eng._decode
+
+        def decode_then_more():  # decode thread: a second group after step 2, the update after step 5
+            decode()
+            steps.append(1)
+            if len(steps) == 2:
+                futs.extend(eng.submit(prompts[1], sp) for _ in range(3))
+            if len(steps) == 5:
+                eng.update_weights(upd, wait=False)
+
+        eng._decode = decode_then_more
+        with eng:
+            eng.pause()
+            first = [eng.submit(prompts[0], sp) for _ in range(3)]
+            eng.resume()
+            outs = [f.result(timeout=60) for f in first]
+            assert wait_until(lambda: len(futs) == 3)
+            return outs + [f.result(timeout=60) for f in futs], eng.stats()
+
+    off, st_off = run(0)
+    on, st_on = run(4096)
+    assert [o.token_ids for o in off] == [o.token_ids for o in on]
+    assert [o.versions for o in off] == [o.versions for o in on]
+    # both groups interrupted mid-response, at different lengths (5 and 2-3 tokens)
+    assert all({0, 1} <= set(o.versions) for o in on)
+    assert {o.versions.count(0) for o in on[:3]} != {o.versions.count(0) for o in on[3:]}
+    lp = torch.tensor([x for o in off for x in o.logprobs])
+    assert torch.allclose(lp, torch.tensor([x for o in on for x in o.logprobs]), atol=1e-4)
+    # the same rows re-encoded; with the cache each prompt's tokens ran once, not once per row
+    assert st_on["reencoded_tokens"] == st_off["reencoded_tokens"] > 0
+    assert st_off["reencode_prefix_tokens"] == 0
+    short = min(len(p) for p in prompts[:2]) - 1
+    assert st_on["reencode_prefix_tokens"] >= 6 * short - 6 * 5  # at most 5 recomputed per row
+    ran_off, ran_on = st_off["prefill_profile"]["reencode"], st_on["prefill_profile"]["reencode"]
+    assert ran_on[2] < ran_off[2] / 2  # padded tokens through the model
+    assert st_on["prefix_cache_hits"] == 0  # re-encodes are not counted as admissions' hits
 
 
 def test_prefix_cache_is_lru_within_its_token_budget():

@@ -10,8 +10,10 @@ Built on ``simpy``. The model follows the runtime of :mod:`conveyor.train` (MISS
   ``shared_prefill`` (default, as conveyor's engine: identical prompts admitted together are
   prefilled once, a later one finds them in the prefix cache and joins the running batch, whose
   next decode step runs its last token) the requests of a group sharing a context pay its
-  prefill once per weight version (the others nothing more); the cache is emptied by every weight update, and a re-encode after an update is
-  per request. A group-mate is routed to the worker that has its prompt (as conveyor's
+  prefill once per weight version (the others nothing more); the cache is emptied by every weight
+  update, and a re-encode after an update runs a prompt that two or more of its requests share
+  once (then cached) and each request's response so far, a request sharing nothing whole
+  (``InferenceEngine._reencode_requests``). A group-mate is routed to the worker that has its prompt (as conveyor's
   ``EngineRouter`` does, within ``affinity_slack`` = 8 requests of the least loaded worker).
 - **Episodes** (groups of ``group_size`` trajectories sharing a prompt) wait ``env_latency_s``
   (a simulated environment / tool call) after each of their ``turns`` generation turns.
@@ -351,13 +353,20 @@ class _Worker:
                 yield self.sim.paused
                 continue
             prefill_tokens = 0
-            for r in self.active:
-                if r.needs_reencode:
-                    prefill_tokens += r.prompt + r.generated
-                    r.needs_reencode = False
             if self.cached_version != self.sim.version:  # new weights: the prefix cache is emptied
                 self.cached.clear()
                 self.cached_version = self.sim.version
+            again = [r for r in self.active if r.needs_reencode]
+            rows = Counter(r.prefix for r in again if cfg.shared_prefill and r.prefix is not None)
+            for r in again:
+                if rows[r.prefix] < 2:  # (Counter: 0 for None) a row sharing nothing runs whole
+                    prefill_tokens += r.prompt + r.generated
+                else:  # a prompt several rows share is re-encoded once (and cached), each row its response
+                    if r.prefix not in self.cached:
+                        prefill_tokens += r.prompt
+                        self.cached.add(r.prefix)
+                    prefill_tokens += r.generated
+                r.needs_reencode = False
             now: set[tuple] = set()  # contexts prefilled in this admission (deduplicated)
             while self.queue and len(self.active) < cfg.max_batch_size:
                 r = self.queue.pop(0)

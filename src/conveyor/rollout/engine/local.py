@@ -59,8 +59,93 @@ of a prefill pass of its own. A calculator result is 2-8 tokens; a pass of one o
 (docs/results/main_job.md, section 15)."""
 
 
+_SHARED_PREFIX_MIN = 16
+"""Shortest prefix of a re-encode that is prefilled once for the rows sharing it
+(:meth:`InferenceEngine._reencode_requests`; a chat template's header alone is longer)."""
+_PASS_COST_TOKENS = 16
+"""What one more forward pass costs, in tokens of prefill, when hit rows are packed into passes
+(:func:`_plan_hit_passes`): a decode step of one row took 0.07 s and a prefill ~7 ms per token
+for SmolLM2 on one core (float32; docs/results/main_job.md sections 1 and 15)."""
+
+
 def _priority(req: _Request) -> int:
     return req.priority
+
+
+def _padded_prefill_inputs(seqs: list[list[int]], pad_id: int):
+    """Left-padded inputs of one prefill pass over ``seqs``: ``(ids [B, L], mask [B, 1, L, L]
+    bool, position_ids [B, L], pad [B], L)``; a padding query attends to itself only, so no
+    attention row is fully masked."""
+    length = max(len(s) for s in seqs)
+    pad = torch.tensor([length - len(s) for s in seqs], dtype=torch.long)
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, length - len(s) :] = torch.tensor(s, dtype=torch.long)
+    cols = torch.arange(length)
+    position_ids = (cols.unsqueeze(0) - pad.unsqueeze(1)).clamp_(min=0)
+    real = cols.unsqueeze(0) >= pad.unsqueeze(1)  # [B, L] key is a real token
+    causal = cols.unsqueeze(1) >= cols.unsqueeze(0)  # [L(query), L(key)]
+    eye = torch.eye(length, dtype=torch.bool)
+    mask = (causal.unsqueeze(0) & real.unsqueeze(1)) | eye.unsqueeze(0)
+    return ids, mask.unsqueeze(1), position_ids, pad, length
+
+
+def _shared_prefixes(seqs: Sequence[Sequence[int]], min_len: int) -> list[tuple[int, ...]]:
+    """The prefixes worth prefilling once for a set of sequences (a re-encode's rows: a group's
+    responses share their prompt): for each sequence, its longest common prefix with any other
+    one, at most its length - 1 (a token is left to run for its logits), kept when at least
+    ``min_len`` tokens. Distinct prefixes, shortest first; [] when none.
+
+    Example: ``[1,2,3,4], [1,2,3,5], [1,2,9]`` with ``min_len`` 2 give ``[(1, 2), (1, 2, 3)]``
+    (the third shares ``1, 2`` with the others; the first two share ``1, 2, 3``)."""
+    order = sorted(range(len(seqs)), key=lambda i: list(seqs[i]))
+    best = [0] * len(seqs)
+    for a, b in zip(order, order[1:]):  # the longest common prefix is with a neighbour in sorted order
+        x, y = seqs[a], seqs[b]
+        n = 0
+        for u, v in zip(x, y):
+            if u != v:
+                break
+            n += 1
+        best[a], best[b] = max(best[a], n), max(best[b], n)
+    out = {tuple(seqs[i][: min(n, len(seqs[i]) - 1)]) for i, n in enumerate(best)}
+    return sorted((p for p in out if len(p) >= min_len), key=len)
+
+
+def _plan_hit_passes(lefts: Sequence[int], lengths: Sequence[int], pass_cost: int,
+                     max_tokens: int) -> list[list[int]]:
+    """Pack prefix-cache hits into forward passes (:meth:`InferenceEngine._prefill_hits`): row
+    ``i`` has ``lefts[i]`` uncached tokens of a sequence of ``lengths[i]`` tokens. A pass runs the
+    same number ``S`` of tokens for each of its rows (``S`` = its largest ``left``; a row with
+    fewer runs some of its cached tokens again, so ``S <= lengths[i]`` for each row) and costs
+    ``rows x S + pass_cost`` tokens; at most ``max_tokens`` tokens (``rows x S``) unless one row.
+    Returns the passes (row indices, largest ``left`` first) of least total cost: an exact
+    dynamic programme over the rows sorted by ``left`` (a pass is a run of that order).
+
+    Example: lefts 10, 9, 2, 1 (lengths 50) with ``pass_cost`` 16: one pass costs 4 x 10 + 16 =
+    56, ``[10, 9] [2, 1]`` cost 20 + 16 + 4 + 16 = 56 too, the single pass is kept (fewer
+    passes first); with ``pass_cost`` 8: 48 against 52, ``[[0, 1], [2, 3]]``."""
+    order = sorted(range(len(lefts)), key=lambda i: (-lefts[i], i))
+    n = len(order)
+    best = [0] + [math.inf] * n  # best[j]: least cost of the first j rows of ``order``
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        shortest = math.inf
+        for i in range(j, 0, -1):  # the last pass holds order[i-1 : j]; its S is lefts[order[i-1]]
+            shortest = min(shortest, lengths[order[i - 1]])
+            S = lefts[order[i - 1]]
+            rows = j - i + 1
+            if S > shortest or (rows > 1 and rows * S > max_tokens):
+                continue
+            cost = best[i - 1] + rows * S + pass_cost
+            if cost < best[j] or (cost == best[j] and i < cut[j]):
+                best[j], cut[j] = cost, i
+    passes = []
+    j = n
+    while j > 0:
+        passes.append(order[cut[j] - 1 : j])
+        j = cut[j] - 1
+    return passes[::-1]
 
 
 @dataclass
@@ -260,6 +345,7 @@ class InferenceEngine:
             prefix_cache_hit_tokens=0,  # prompt tokens those requests did not run through the model
             prefix_hits_joined=0,  # hits with <= prefix_feed_tokens left, run by decode steps (no prefill pass)
             prefix_fed_tokens=0,  # the tokens those hits ran in decode steps
+            reencode_prefix_tokens=0,  # re-encoded tokens taken from a prefix prefilled once for several rows
             prefill_dedup_tokens=0,  # tokens of identical sequences prefilled once (admitted together)
             prefill_forwards=0,  # prefill / re-encode forward passes
             merge_seconds=0.0,  # s copying the running batch's keys / values to admit requests into it
@@ -557,7 +643,9 @@ class InferenceEngine:
             ``prefill_seconds`` (s, the prefill / re-encode part of it), ``sample_seconds``
             (s spent sampling), ``generated_tokens``, ``prefill_tokens`` (real tokens encoded
             by prefills, re-encodes included), ``reencoded_tokens`` (tokens re-encoded after
-            weight updates), ``decode_steps``, ``num_requests`` (submitted), ``num_finished``
+            weight updates), ``reencode_prefix_tokens`` (of those, tokens a row took from a
+            prefix prefilled once for the several rows sharing it, with the prefix cache on:
+            not run again per row), ``decode_steps``, ``num_requests`` (submitted), ``num_finished``
             (resolved with stop / length / abort), ``num_aborted``, ``num_weight_updates``,
             ``weight_load_seconds`` (s copying weights), ``pause_seconds_total`` (s generation
             was paused by weight updates: loading plus re-encoding), ``running`` (requests in
@@ -1068,7 +1156,7 @@ class InferenceEngine:
         if self._reencode:
             reqs, self._reencode = self._reencode, []
             t0 = time.perf_counter()
-            self._prefill(reqs, kind="reencode")
+            self._reencode_requests(reqs)
             dt = time.perf_counter() - t0
             with self._cond:
                 self._stats["pause_seconds_total"] += dt
@@ -1076,27 +1164,91 @@ class InferenceEngine:
                     len(r.prompt_ids) + len(r.token_ids) for r in reqs
                 )
         if admit:
-            misses = []
-            hits: dict[int, list] = {}  # by the number of tokens left to run: one forward pass each
+            misses, joined, hits = [], [], []
             for req in admit:
                 seq = req.prompt_ids + req.token_ids
                 hit = self._prefix_cache.lookup(seq) if self._prefix_cache.max_tokens else None
                 if hit is None:
                     misses.append(req)
+                elif len(seq) - hit[0] <= self._feed_tokens:
+                    joined.append((req, *hit))
                 else:
-                    hits.setdefault(len(seq) - hit[0], []).append((req, *hit))
-            joined = [h for left, group in hits.items() if left <= self._feed_tokens for h in group]
+                    hits.append((req, *hit))
             if joined:  # a few tokens left (a tool's result, a group-mate's last prompt token): decode steps run them
                 self._join_from_prefix(joined)
-            for left, group in hits.items():
-                if left > self._feed_tokens:
-                    self._prefill_from_prefix(group)
+            if hits:
+                self._prefill_hits(hits, "prefix_hit")
             if misses:
                 self._prefill(misses, kind="admit")
         if self._batch is not None:
             self._decode()
         with self._cond:
             self._running_count = len(self._batch.reqs) if self._batch else 0
+
+    def _reencode_requests(self, reqs: list[_Request]) -> None:
+        """Re-encode ``prompt + response so far`` of ``reqs`` with the weights just loaded (their
+        KV caches were dropped), sample each one's next token and merge them into the running
+        batch. With the prefix cache on, the prefixes several rows share (a group's prompt:
+        :func:`_shared_prefixes`) are prefilled once into the (just emptied) cache and each row
+        runs only the rest, packed into a few passes (:meth:`_prefill_hits`); without it, or for
+        rows sharing nothing, every row runs whole (:meth:`_prefill`). The same computation
+        either way (keys / values of a prefix do not depend on what follows it)."""
+        for r in reqs:  # a re-encode runs the whole sequence, tokens still to be fed included
+            r.feed = []
+        if not self._prefix_cache.max_tokens or len(reqs) < 2:
+            self._prefill(reqs, kind="reencode")
+            return
+        prefixes = _shared_prefixes([r.prompt_ids + r.token_ids for r in reqs], _SHARED_PREFIX_MIN)
+        if prefixes:
+            self._prefill_prefixes(prefixes)
+        hits, misses = [], []
+        for r in reqs:
+            hit = self._prefix_cache.lookup(r.prompt_ids + r.token_ids)
+            if hit is None:
+                misses.append(r)
+            else:
+                hits.append((r, *hit))
+        if hits:
+            self._prefill_hits(hits, "reencode")
+        if misses:
+            self._prefill(misses, kind="reencode")
+
+    def _prefill_prefixes(self, prefixes: list[tuple[int, ...]]) -> None:
+        """Prefill token sequences into the prefix cache only (no request, nothing sampled; a
+        re-encode's shared prefixes), in passes of at most ``_PREFILL_MAX_TOKENS`` padded
+        tokens; profiled and counted as ``reencode``."""
+        seqs = sorted(prefixes, key=len, reverse=True)
+        i = 0
+        while i < len(seqs):
+            n = max(1, min(len(seqs) - i, _PREFILL_MAX_TOKENS // len(seqs[i])))
+            chunk = [list(q) for q in seqs[i : i + n]]
+            ids, mask, position_ids, pad, length = _padded_prefill_inputs(chunk, self._pad_id)
+            layers = [_KVLayer() for _ in range(self._num_layers)]
+            self._prefill_forward(ids, mask, position_ids, layers, "reencode",
+                                  prefill_tokens=sum(len(q) for q in chunk))
+            for b, q in enumerate(chunk):
+                p = int(pad[b])
+                self._prefix_cache.insert(q, lambda b=b, p=p: [
+                    (la.kbuf[b, :, p:length].clone(), la.vbuf[b, :, p:length].clone()) for la in layers])
+            i += n
+
+    def _prefill_hits(self, hits: list[tuple[_Request, int, list[tuple[torch.Tensor, torch.Tensor]]]],
+                      kind: str) -> None:
+        """Run prefix-cache hits (``(request, cached tokens, per-layer (keys [H, n, D], values))``,
+        any numbers of tokens left) in as few, small forward passes as pay
+        (:func:`_plan_hit_passes`): in each pass every row runs the pass's largest number of
+        tokens left, a row with fewer recomputing the end of its cached part (the same keys /
+        values), then samples and joins the running batch (:meth:`_prefill_from_prefix`)."""
+        seqs = [len(r.prompt_ids) + len(r.token_ids) for r, _, _ in hits]
+        lefts = [n_seq - n for n_seq, (_, n, _) in zip(seqs, hits, strict=True)]
+        for rows in _plan_hit_passes(lefts, seqs, _PASS_COST_TOKENS, _PREFILL_MAX_TOKENS):
+            S = lefts[rows[0]]
+            group = []
+            for i in rows:
+                r, n, kv = hits[i]
+                keep = seqs[i] - S  # <= n: the cached tokens this row does not run again
+                group.append((r, keep, kv if keep == n else [(k[:, :keep], v[:, :keep]) for k, v in kv]))
+            self._prefill_from_prefix(group, kind)
 
     def _reap(self) -> None:
         """Drop cancelled requests and finish the ones :meth:`abort` flagged with their tokens
@@ -1142,20 +1294,9 @@ class InferenceEngine:
         first: dict[tuple[int, ...], int] = {}
         row_of = [first.setdefault(tuple(q), len(first)) for q in all_seqs]
         seqs = [list(q) for q in first]
-        length = max(len(s) for s in seqs)
-        pad = torch.tensor([length - len(s) for s in seqs], dtype=torch.long)
-        ids = torch.full((len(seqs), length), self._pad_id, dtype=torch.long)
-        for b, s in enumerate(seqs):
-            ids[b, length - len(s) :] = torch.tensor(s, dtype=torch.long)
-        cols = torch.arange(length)
-        position_ids = (cols.unsqueeze(0) - pad.unsqueeze(1)).clamp_(min=0)
-        real = cols.unsqueeze(0) >= pad.unsqueeze(1)  # [B, L] key is a real token
-        causal = cols.unsqueeze(1) >= cols.unsqueeze(0)  # [L(query), L(key)]
-        eye = torch.eye(length, dtype=torch.bool)
-        # Padding queries attend to themselves only, so no attention row is fully masked.
-        mask = (causal.unsqueeze(0) & real.unsqueeze(1)) | eye.unsqueeze(0)
+        ids, mask, position_ids, pad, length = _padded_prefill_inputs(seqs, self._pad_id)
         layers = [_KVLayer() for _ in range(self._num_layers)]
-        logits = self._prefill_forward(ids, mask.unsqueeze(1), position_ids, layers, kind,
+        logits = self._prefill_forward(ids, mask, position_ids, layers, kind,
                                        prefill_tokens=sum(len(s) for s in seqs),
                                        prefill_dedup_tokens=sum(len(s) for s in all_seqs) - sum(len(s) for s in seqs))
         if self._prefix_cache.max_tokens:  # each prompt but its last token: a later group-mate runs 1 token
@@ -1209,13 +1350,16 @@ class InferenceEngine:
                 self._stats[k] += v
         return out.logits[:, -1, :]
 
-    def _prefill_from_prefix(self, hits: list[tuple[_Request, int, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
+    def _prefill_from_prefix(self, hits: list[tuple[_Request, int, list[tuple[torch.Tensor, torch.Tensor]]]],
+                             kind: str = "prefix_hit") -> None:
         """Admit requests whose first tokens have cached keys / values (the prefix cache): only
         the rest of each sequence runs through the model, then they join the running batch.
         ``hits``: ``(request, cached tokens, per-layer (keys [H, n, D], values))``, all with the
         same number of tokens left to run (``S``), so they share one forward pass: each row's
         cached part is left-padded to end at the same column and its ``S`` new tokens follow
-        (the running batch's layout, no gap in any row)."""
+        (the running batch's layout, no gap in any row). ``kind``: ``"prefix_hit"`` (an
+        admission: counted as prefix-cache hits) or ``"reencode"`` (rows of a re-encode whose
+        shared prefix was prefilled once: counted in ``reencode_prefix_tokens``)."""
         reqs = [r for r, _, _ in hits]
         seqs = [r.prompt_ids + r.token_ids for r in reqs]
         cached = [n for _, n, _ in hits]
@@ -1230,9 +1374,10 @@ class InferenceEngine:
         real = cols.unsqueeze(0) >= pad.unsqueeze(1)  # [B, length]
         mask = (causal.unsqueeze(0) & real.unsqueeze(1)).unsqueeze(1)  # [B, 1, S, length]
         position_ids = torch.tensor(cached, dtype=torch.long).unsqueeze(1) + torch.arange(S).unsqueeze(0)
-        logits = self._prefill_forward(torch.tensor(rest, dtype=torch.long), mask, position_ids, layers, "prefix_hit",
-                                       prefill_tokens=S * len(hits), prefix_cache_hits=len(hits),
-                                       prefix_cache_hit_tokens=sum(cached))
+        counts = ({"prefix_cache_hits": len(hits), "prefix_cache_hit_tokens": sum(cached)} if kind == "prefix_hit"
+                  else {"reencode_prefix_tokens": sum(cached)})
+        logits = self._prefill_forward(torch.tensor(rest, dtype=torch.long), mask, position_ids, layers, kind,
+                                       prefill_tokens=S * len(hits), **counts)
         plan = _make_plan([r.params for r in reqs])
         tokens = self._sample_and_record(reqs, logits, plan)
         self._join(_Batch(reqs=reqs, layers=layers, pad=pad, length=length, pending=tokens, plan=plan))

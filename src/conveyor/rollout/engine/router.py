@@ -76,7 +76,7 @@ CUMULATIVE_ENGINE_STATS = frozenset({
     "busy_seconds", "prefill_seconds", "sample_seconds", "generated_tokens", "prefill_tokens", "reencoded_tokens",
     "decode_steps", "num_requests", "num_finished", "num_aborted", "num_weight_updates", "weight_load_seconds",
     "pause_seconds_total", "merge_seconds", "prefix_cache_hits", "prefix_cache_hit_tokens", "prefill_dedup_tokens",
-    "prefill_forwards", "thread_changes", "prefix_hits_joined", "prefix_fed_tokens", "lends", "lent_seconds", "reclaims",
+    "prefill_forwards", "thread_changes", "prefix_hits_joined", "prefix_fed_tokens", "reencode_prefix_tokens", "lends", "lent_seconds", "reclaims",
     "reclaim_wait_seconds", "reclaim_timeouts"})
 """Counters of :meth:`InferenceEngine.stats <conveyor.rollout.engine.InferenceEngine.stats>` that
 only grow; a replaced engine's last values are added to its successor's, so they never go back."""
