@@ -500,12 +500,15 @@ def test_a_weight_update_while_rows_run_fed_tokens_reencodes_them_whole(ref):
 def test_shared_prefixes_by_hand():
     from conveyor.rollout.engine.local import _shared_prefixes
 
-    assert _shared_prefixes([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9]], 2) == [(1, 2), (1, 2, 3)]
+    # nested prefixes: only the shortest (its tokens run once; the first two rows run their "3")
+    assert _shared_prefixes([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9]], 2) == [(1, 2)]
     assert _shared_prefixes([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9]], 3) == [(1, 2, 3)]
+    # two groups: a prefix each, shortest first
+    assert _shared_prefixes([[5, 6, 7, 1], [1, 2, 3, 4], [5, 6, 7, 2], [1, 2, 3, 5]], 2) == [(1, 2, 3), (5, 6, 7)]
     # identical rows: all but the last token (one is left to run for its logits)
     assert _shared_prefixes([[7, 8, 9], [7, 8, 9]], 1) == [(7, 8)]
-    # a row that is a prefix of another: capped at its length - 1 for it, the full LCP for the other
-    assert _shared_prefixes([[1, 2, 3], [1, 2, 3, 4]], 1) == [(1, 2), (1, 2, 3)]
+    # a row that is a prefix of another: capped at its length - 1 for it (nested: the shorter kept)
+    assert _shared_prefixes([[1, 2, 3], [1, 2, 3, 4]], 1) == [(1, 2)]
     assert _shared_prefixes([[1, 2], [3, 4]], 1) == [] and _shared_prefixes([[1, 2, 3]], 1) == []
 
 

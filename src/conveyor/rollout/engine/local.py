@@ -94,10 +94,12 @@ def _shared_prefixes(seqs: Sequence[Sequence[int]], min_len: int) -> list[tuple[
     """The prefixes worth prefilling once for a set of sequences (a re-encode's rows: a group's
     responses share their prompt): for each sequence, its longest common prefix with any other
     one, at most its length - 1 (a token is left to run for its logits), kept when at least
-    ``min_len`` tokens. Distinct prefixes, shortest first; [] when none.
+    ``min_len`` tokens; of prefixes nested in one another only the shortest (each token is
+    prefilled once: a row sharing more with a sibling runs the difference itself). Shortest
+    first; [] when none.
 
-    Example: ``[1,2,3,4], [1,2,3,5], [1,2,9]`` with ``min_len`` 2 give ``[(1, 2), (1, 2, 3)]``
-    (the third shares ``1, 2`` with the others; the first two share ``1, 2, 3``)."""
+    Example: ``[1,2,3,4], [1,2,3,5], [1,2,9]``: the third shares ``1, 2`` with the others, the
+    first two ``1, 2, 3``; with ``min_len`` 2 the result is ``[(1, 2)]``, with 3 ``[(1, 2, 3)]``."""
     order = sorted(range(len(seqs)), key=lambda i: list(seqs[i]))
     best = [0] * len(seqs)
     for a, b in zip(order, order[1:]):  # the longest common prefix is with a neighbour in sorted order
@@ -108,8 +110,12 @@ def _shared_prefixes(seqs: Sequence[Sequence[int]], min_len: int) -> list[tuple[
                 break
             n += 1
         best[a], best[b] = max(best[a], n), max(best[b], n)
-    out = {tuple(seqs[i][: min(n, len(seqs[i]) - 1)]) for i, n in enumerate(best)}
-    return sorted((p for p in out if len(p) >= min_len), key=len)
+    found = {tuple(seqs[i][: min(n, len(seqs[i]) - 1)]) for i, n in enumerate(best)}
+    kept: list[tuple[int, ...]] = []
+    for p in sorted((p for p in found if len(p) >= min_len), key=lambda p: (len(p), p)):
+        if not any(p[: len(q)] == q for q in kept):
+            kept.append(p)
+    return kept
 
 
 def _plan_hit_passes(lefts: Sequence[int], lengths: Sequence[int], pass_cost: int,
