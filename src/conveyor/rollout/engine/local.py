@@ -1293,8 +1293,6 @@ class InferenceEngine:
             i += n
 
     def _prefill_chunk(self, reqs: list[_Request], kind: str) -> None:
-        for r in reqs:  # a re-encode runs the whole sequence, tokens still to be fed included
-            r.feed = []
         all_seqs = [r.prompt_ids + r.token_ids for r in reqs]
         # identical sequences (a group's prompt admitted together) run through the model once
         first: dict[tuple[int, ...], int] = {}
