@@ -9,9 +9,10 @@ Usage: python benchmarks/prefix_cache.py [--model smollm2-135m-instruct|tiny] [-
 ``prefix_feed_tokens=1`` (the engine before hits with a few tokens left were fed through decode
 steps: each ran a prefill pass of its own), and the ratios of that side over the cache with the
 default feeding. ``--update-every S`` publishes the same weights as a new version every ``S``
-seconds during each side: every update re-encodes the rows in
-flight, whole without the cache, a group's shared prompt once with it; reported per side
-(``reencode_profile``) and as the ratio of re-encode seconds per re-encoded token.
+seconds during each side: every update re-encodes the rows in flight, whole without the cache, a
+group's shared prompt once with it; reported per side (``reencode_profile``) and as the ratio of
+re-encode seconds per re-encoded token (the sides see different numbers of updates: compare per
+token).
 
 Each side runs the default main job's workflow (``build_workflow`` of the default config: MAWPS
 prompts, 8 responses per prompt, the calculator tool whose every call ends an engine request and
