@@ -1204,12 +1204,13 @@ class InferenceEngine:
         if not self._prefix_cache.max_tokens or len(reqs) < 2:
             self._prefill(reqs, kind="reencode")
             return
-        prefixes = _shared_prefixes([r.prompt_ids + r.token_ids for r in reqs], _SHARED_PREFIX_MIN)
+        seqs = [r.prompt_ids + r.token_ids for r in reqs]
+        prefixes = _shared_prefixes(seqs, _SHARED_PREFIX_MIN)
         if prefixes:
             self._prefill_prefixes(prefixes)
         hits, misses = [], []
-        for r in reqs:
-            hit = self._prefix_cache.lookup(r.prompt_ids + r.token_ids)
+        for r, seq in zip(reqs, seqs, strict=True):
+            hit = self._prefix_cache.lookup(seq)
             if hit is None:
                 misses.append(r)
             else:
