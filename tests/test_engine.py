@@ -580,6 +580,42 @@ def test_a_reencode_prefills_a_groups_shared_prompt_once_and_changes_nothing_com
     assert st_on["prefix_cache_hits"] == 0  # re-encodes are not counted as admissions' hits
 
 
+def test_a_group_admitted_on_a_shorter_cached_prefix_runs_its_prompt_once_and_caches_it(ref):
+    """A group's prompt whose cached part is shorter than the prompt (after a re-encode only a
+    shared header may be cached): the group's requests admitted together run the rest once, not
+    once per request, and the prompt is cached, so a group-mate admitted later runs one token;
+    the same tokens and log-probs as without the cache."""
+    _, _, prompts = ref
+    base = prompts[0]
+    group_prompt = base + prompts[1][1:]  # base[:-1] is cached by base's admission; > 8 tokens left
+    assert len(group_prompt) - (len(base) - 1) > 8
+    sp = SamplingParams(max_new_tokens=5, temperature=1.0)
+
+    def run(cache_tokens):
+        eng = InferenceEngine(*fresh_model(), max_batch_size=4, num_threads=1, seed=1,
+                              prefix_cache_tokens=cache_tokens)
+        with eng:
+            eng.generate_batch([base], SamplingParams(max_new_tokens=2, temperature=0.0))
+            eng.pause()
+            futs = [eng.submit(group_prompt, sp) for _ in range(3)]
+            eng.resume()
+            outs = [f.result(timeout=60) for f in futs]
+            outs.append(eng.submit(group_prompt, sp).result(timeout=60))  # a later group-mate
+            return outs, eng.stats()
+
+    off, st_off = run(0)
+    on, st_on = run(4096)
+    assert [o.token_ids for o in off] == [o.token_ids for o in on]
+    lp_off = torch.tensor([x for o in off for x in o.logprobs])
+    assert torch.allclose(lp_off, torch.tensor([x for o in on for x in o.logprobs]), atol=1e-4)
+    left = len(group_prompt) - (len(base) - 1)
+    hit = st_on["prefill_profile"]["prefix_hit"]
+    assert hit[:3] == [1, 1, left]  # one pass, one row, the prompt's uncached tokens once
+    assert st_on["prefill_dedup_tokens"] == 2 * left  # the two other requests of the group
+    assert st_on["prefix_cache_hits"] == 4 and st_on["prefix_hits_joined"] == 1
+    assert st_on["prefix_fed_tokens"] == 1  # the later group-mate: the prompt's last token only
+
+
 def test_prefix_cache_is_lru_within_its_token_budget():
     from conveyor.rollout.engine.kv_cache import _PrefixCache
 

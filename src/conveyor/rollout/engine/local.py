@@ -1235,7 +1235,7 @@ class InferenceEngine:
                                   prefill_tokens=sum(len(q) for q in chunk))
             for b, q in enumerate(chunk):
                 p = int(pad[b])
-                self._prefix_cache.insert(q, lambda b=b, p=p: [
+                self._prefix_cache.insert(q, lambda b=b, p=p, length=length, layers=layers: [
                     (la.kbuf[b, :, p:length].clone(), la.vbuf[b, :, p:length].clone()) for la in layers])
             i += n
 
@@ -1245,16 +1245,23 @@ class InferenceEngine:
         any numbers of tokens left) in as few, small forward passes as pay
         (:func:`_plan_hit_passes`): in each pass every row runs the pass's largest number of
         tokens left, a row with fewer recomputing the end of its cached part (the same keys /
-        values), then samples and joins the running batch (:meth:`_prefill_from_prefix`)."""
-        seqs = [len(r.prompt_ids) + len(r.token_ids) for r, _, _ in hits]
-        lefts = [n_seq - n for n_seq, (_, n, _) in zip(seqs, hits, strict=True)]
+        values), then samples and joins the running batch (:meth:`_prefill_from_prefix`).
+        Requests with the same sequence (a group's prompt admitted together) are planned as one
+        row and run through the model once."""
+        rows_of: dict[tuple[int, ...], list[int]] = {}
+        for i, (r, _, _) in enumerate(hits):
+            rows_of.setdefault(tuple(r.prompt_ids + r.token_ids), []).append(i)
+        members = list(rows_of.values())
+        seqs = [len(r.prompt_ids) + len(r.token_ids) for r, _, _ in (hits[m[0]] for m in members)]
+        lefts = [n_seq - hits[m[0]][1] for n_seq, m in zip(seqs, members, strict=True)]
         for rows in _plan_hit_passes(lefts, seqs, _PASS_COST_TOKENS, _PREFILL_MAX_TOKENS):
             S = lefts[rows[0]]
             group = []
-            for i in rows:
-                r, n, kv = hits[i]
-                keep = seqs[i] - S  # <= n: the cached tokens this row does not run again
-                group.append((r, keep, kv if keep == n else [(k[:, :keep], v[:, :keep]) for k, v in kv]))
+            for u in rows:
+                keep = seqs[u] - S  # <= cached: the cached tokens these rows do not run again
+                for i in members[u]:
+                    r, n, kv = hits[i]
+                    group.append((r, keep, kv if keep == n else [(k[:, :keep], v[:, :keep]) for k, v in kv]))
             self._prefill_from_prefix(group, kind)
 
     def _reap(self) -> None:
@@ -1362,27 +1369,44 @@ class InferenceEngine:
         ``hits``: ``(request, cached tokens, per-layer (keys [H, n, D], values))``, all with the
         same number of tokens left to run (``S``), so they share one forward pass: each row's
         cached part is left-padded to end at the same column and its ``S`` new tokens follow
-        (the running batch's layout, no gap in any row). ``kind``: ``"prefix_hit"`` (an
-        admission: counted as prefix-cache hits) or ``"reencode"`` (rows of a re-encode whose
-        shared prefix was prefilled once: counted in ``reencode_prefix_tokens``)."""
+        (the running batch's layout, no gap in any row). Requests with the same sequence run as
+        one row (counted in ``prefill_dedup_tokens``), and each sequence but its last token is
+        cached, as a prefill does (a later group-mate then runs one token). ``kind``:
+        ``"prefix_hit"`` (an admission: counted as prefix-cache hits) or ``"reencode"`` (rows of a
+        re-encode whose shared prefix was prefilled once: counted in ``reencode_prefix_tokens``)."""
         reqs = [r for r, _, _ in hits]
         seqs = [r.prompt_ids + r.token_ids for r in reqs]
-        cached = [n for _, n, _ in hits]
-        rest = [q[n:] for q, n in zip(seqs, cached, strict=True)]
+        first: dict[tuple[int, ...], int] = {}
+        row_of = [first.setdefault(tuple(q), len(first)) for q in seqs]
+        uniq = [hits[row_of.index(u)] for u in range(len(first))]  # each sequence's first request
+        cached = [n for _, n, _ in uniq]
+        rest = [list(q[n:]) for q, n in zip(first, cached, strict=True)]
         S = len(rest[0])
         past = max(cached)
         length = past + S
-        pad, layers = self._cached_rows(hits, S)
+        pad, layers = self._cached_rows(uniq, S)
         cols = torch.arange(length)
         q = torch.arange(past, length)
         causal = cols.unsqueeze(0) <= q.unsqueeze(1)  # [S(query), length(key)]
         real = cols.unsqueeze(0) >= pad.unsqueeze(1)  # [B, length]
         mask = (causal.unsqueeze(0) & real.unsqueeze(1)).unsqueeze(1)  # [B, 1, S, length]
         position_ids = torch.tensor(cached, dtype=torch.long).unsqueeze(1) + torch.arange(S).unsqueeze(0)
-        counts = ({"prefix_cache_hits": len(hits), "prefix_cache_hit_tokens": sum(cached)} if kind == "prefix_hit"
-                  else {"reencode_prefix_tokens": sum(cached)})
+        all_cached = sum(n for _, n, _ in hits)
+        counts = ({"prefix_cache_hits": len(hits), "prefix_cache_hit_tokens": all_cached} if kind == "prefix_hit"
+                  else {"reencode_prefix_tokens": all_cached})
         logits = self._prefill_forward(torch.tensor(rest, dtype=torch.long), mask, position_ids, layers, kind,
-                                       prefill_tokens=S * len(hits), **counts)
+                                       prefill_tokens=S * len(uniq), prefill_dedup_tokens=S * (len(hits) - len(uniq)),
+                                       **counts)
+        for b, key in enumerate(first):  # each sequence but its last token, as _prefill_chunk
+            p = int(pad[b])
+            self._prefix_cache.insert(key[:-1], lambda b=b, p=p: [
+                (la.kbuf[b, :, p : length - 1].clone(), la.vbuf[b, :, p : length - 1].clone()) for la in layers])
+        if len(uniq) < len(reqs):  # every request its own row (its own sampling stream)
+            idx = torch.tensor(row_of, dtype=torch.long)
+            on_dev = to(idx, self.device)
+            layers = [_KVLayer(la.kbuf.index_select(0, on_dev), la.vbuf.index_select(0, on_dev), la.length)
+                      for la in layers]
+            pad, logits = pad.index_select(0, idx), logits.index_select(0, on_dev)
         plan = _make_plan([r.params for r in reqs])
         tokens = self._sample_and_record(reqs, logits, plan)
         self._join(_Batch(reqs=reqs, layers=layers, pad=pad, length=length, pending=tokens, plan=plan))
