@@ -500,9 +500,21 @@ def test_a_weight_update_while_rows_run_fed_tokens_reencodes_them_whole(ref):
 def test_shared_prefixes_by_hand():
     from conveyor.rollout.engine.local import _shared_prefixes
 
-    # nested prefixes: only the shortest (its tokens run once; the first two rows run their "3")
+    # nested prefixes: kept when prefilling once saves at least min_saved tokens: (1, 2) saves
+    # 2 x 2 (three rows), (1, 2, 3) 1 x 1 (two rows, one token beyond its parent)
+    assert _shared_prefixes([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9]], 1) == [(1, 2), (1, 2, 3)]
     assert _shared_prefixes([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9]], 2) == [(1, 2)]
-    assert _shared_prefixes([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9]], 3) == [(1, 2, 3)]
+    assert _shared_prefixes([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9]], 4) == [(1, 2)]
+    assert _shared_prefixes([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9]], 5) == []
+    # a header shared by two groups, each group's prompt beyond it (the main job after an update):
+    # the header saves 3 x 3, each prompt 1 x 3 beyond it
+    h, a, b = [1, 2, 3], [4, 5, 6], [7, 8, 9]
+    rows = [h + a + [10], h + a + [11, 12], h + b + [13], h + b + [14]]
+    assert _shared_prefixes(rows, 3) == [tuple(h), tuple(h + a), tuple(h + b)]
+    assert _shared_prefixes(rows, 4) == [tuple(h)]
+    # a row no longer than a prefix does not count for it (it could not use it): (1, 2, 3) saves
+    # 1 x 1 for the two longer rows, not 2 x 1
+    assert _shared_prefixes([[1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 5]], 2) == [(1, 2)]
     # two groups: a prefix each, shortest first
     assert _shared_prefixes([[5, 6, 7, 1], [1, 2, 3, 4], [5, 6, 7, 2], [1, 2, 3, 5]], 2) == [(1, 2, 3), (5, 6, 7)]
     # identical rows: all but the last token (one is left to run for its logits)

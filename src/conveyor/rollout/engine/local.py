@@ -60,8 +60,9 @@ of a prefill pass of its own. A calculator result is 2-8 tokens; a pass of one o
 
 
 _SHARED_PREFIX_MIN = 16
-"""Shortest prefix of a re-encode that is prefilled once for the rows sharing it
-(:meth:`InferenceEngine._reencode_requests`; a chat template's header alone is longer)."""
+"""Fewest tokens a re-encode's shared prefix must save to be prefilled once for the rows sharing
+it (:func:`_shared_prefixes`, :meth:`InferenceEngine._reencode_requests`): about what one more
+forward pass costs (``_PASS_COST_TOKENS``)."""
 _PASS_COST_TOKENS = 16
 """What one more forward pass costs, in tokens of prefill, when hit rows are packed into passes
 (:func:`_plan_hit_passes`): a decode step of one row took 0.07 s and a prefill ~7 ms per token
@@ -90,30 +91,36 @@ def _padded_prefill_inputs(seqs: list[list[int]], pad_id: int):
     return ids, mask.unsqueeze(1), position_ids, pad, length
 
 
-def _shared_prefixes(seqs: Sequence[Sequence[int]], min_len: int) -> list[tuple[int, ...]]:
+def _shared_prefixes(seqs: Sequence[Sequence[int]], min_saved: int) -> list[tuple[int, ...]]:
     """The prefixes worth prefilling once for a set of sequences (a re-encode's rows: a group's
-    responses share their prompt): for each sequence, its longest common prefix with any other
-    one, at most its length - 1 (a token is left to run for its logits), kept when at least
-    ``min_len`` tokens; of prefixes nested in one another only the shortest (each token is
-    prefilled once: a row sharing more with a sibling runs the difference itself). Shortest
-    first; [] when none.
+    responses share their prompt, all prompts a chat template's header): every prefix at which
+    sequences branch (the longest common prefix of two neighbours in sorted order, at most each
+    one's length - 1: a token is left to run for its logits), kept when prefilling it once saves
+    at least ``min_saved`` tokens: ``(k - 1) x (its length - its parent's)`` for the ``k``
+    sequences longer than it that start with it, its parent being the longest kept prefix nested
+    in it (prefilled first; :meth:`InferenceEngine._prefill_prefixes` runs only the difference).
+    Shortest first; [] when none.
 
-    Example: ``[1,2,3,4], [1,2,3,5], [1,2,9]``: the third shares ``1, 2`` with the others, the
-    first two ``1, 2, 3``; with ``min_len`` 2 the result is ``[(1, 2)]``, with 3 ``[(1, 2, 3)]``."""
+    Example: ``[1,2,3,4], [1,2,3,5], [1,2,9]`` branch at ``1, 2`` (3 rows: saves 2 x 2 = 4) and
+    ``1, 2, 3`` (2 rows, one token beyond ``1, 2``: saves 1): with ``min_saved`` 1 the result is
+    ``[(1, 2), (1, 2, 3)]``, with 2 to 4 ``[(1, 2)]``."""
     order = sorted(range(len(seqs)), key=lambda i: list(seqs[i]))
-    best = [0] * len(seqs)
-    for a, b in zip(order, order[1:]):  # the longest common prefix is with a neighbour in sorted order
+    found: set[tuple[int, ...]] = set()
+    for a, b in zip(order, order[1:]):  # the branching prefixes are the neighbours' common prefixes
         x, y = seqs[a], seqs[b]
         n = 0
         for u, v in zip(x, y):
             if u != v:
                 break
             n += 1
-        best[a], best[b] = max(best[a], n), max(best[b], n)
-    found = {tuple(seqs[i][: min(n, len(seqs[i]) - 1)]) for i, n in enumerate(best)}
+        n = min(n, len(x) - 1, len(y) - 1)
+        if n > 0:
+            found.add(tuple(x[:n]))
     kept: list[tuple[int, ...]] = []
-    for p in sorted((p for p in found if len(p) >= min_len), key=lambda p: (len(p), p)):
-        if not any(p[: len(q)] == q for q in kept):
+    for p in sorted(found, key=lambda p: (len(p), p)):
+        parent = max((len(q) for q in kept if p[: len(q)] == q), default=0)
+        k = sum(1 for x in seqs if len(x) > len(p) and tuple(x[: len(p)]) == p)
+        if (k - 1) * (len(p) - parent) >= min_saved:
             kept.append(p)
     return kept
 
@@ -1222,22 +1229,54 @@ class InferenceEngine:
 
     def _prefill_prefixes(self, prefixes: list[tuple[int, ...]]) -> None:
         """Prefill token sequences into the prefix cache only (no request, nothing sampled; a
-        re-encode's shared prefixes), in passes of at most ``_PREFILL_MAX_TOKENS`` padded
-        tokens; profiled and counted as ``reencode``."""
-        seqs = sorted(prefixes, key=len, reverse=True)
-        i = 0
-        while i < len(seqs):
-            n = max(1, min(len(seqs) - i, _PREFILL_MAX_TOKENS // len(seqs[i])))
-            chunk = [list(q) for q in seqs[i : i + n]]
-            ids, mask, position_ids, pad, length = _padded_prefill_inputs(chunk, self._pad_id)
-            layers = [_KVLayer() for _ in range(self._num_layers)]
-            self._prefill_forward(ids, mask, position_ids, layers, "reencode",
-                                  prefill_tokens=sum(len(q) for q in chunk))
-            for b, q in enumerate(chunk):
-                p = int(pad[b])
-                self._prefix_cache.insert(q, lambda b=b, p=p, length=length, layers=layers: [
-                    (la.kbuf[b, :, p:length].clone(), la.vbuf[b, :, p:length].clone()) for la in layers])
-            i += n
+        re-encode's shared prefixes, :func:`_shared_prefixes`), profiled and counted as
+        ``reencode``. A prefix runs after the ones nested in it and only its own tokens (a hit on
+        the longest, packed by :func:`_plan_hit_passes`); the others whole, in passes of at most
+        ``_PREFILL_MAX_TOKENS`` padded tokens."""
+        todo = sorted(prefixes, key=len)
+        while todo:
+            level = [p for p in todo if not any(len(q) < len(p) and p[: len(q)] == q for q in todo)]
+            todo = [p for p in todo if p not in set(level)]
+            misses, hits = [], []
+            for p in level:
+                hit = self._prefix_cache.lookup(p)
+                if hit is None:
+                    misses.append(list(p))
+                else:
+                    hits.append((p, *hit))
+            misses.sort(key=len, reverse=True)
+            i = 0
+            while i < len(misses):
+                n = max(1, min(len(misses) - i, _PREFILL_MAX_TOKENS // len(misses[i])))
+                chunk = misses[i : i + n]
+                ids, mask, position_ids, pad, length = _padded_prefill_inputs(chunk, self._pad_id)
+                layers = [_KVLayer() for _ in range(self._num_layers)]
+                self._prefill_forward(ids, mask, position_ids, layers, "reencode",
+                                      prefill_tokens=sum(len(q) for q in chunk))
+                self._cache_rows(chunk, layers, pad, length)
+                i += n
+            lefts = [len(p) - n for p, n, _ in hits]
+            lengths = [len(p) for p, _, _ in hits]
+            for rows in _plan_hit_passes(lefts, lengths, _PASS_COST_TOKENS, _PREFILL_MAX_TOKENS):
+                S = lefts[rows[0]]
+                group = []
+                for j in rows:
+                    p, n, kv = hits[j]
+                    keep = len(p) - S
+                    group.append((p, keep, kv if keep == n else [(k[:, :keep], v[:, :keep]) for k, v in kv]))
+                _, layers, pad, length = self._forward_from_prefix(group, "reencode")
+                self._cache_rows([p for p, _, _ in group], layers, pad, length)
+
+    def _cache_rows(self, keys: Sequence[Sequence[int]], layers: list[_KVLayer], pad: torch.Tensor,
+                    end: int) -> None:
+        """Insert row ``b``'s keys / values, columns ``pad[b]:end`` of ``layers``, under ``keys[b]``
+        (its tokens) into the prefix cache."""
+        if not self._prefix_cache.max_tokens:
+            return
+        for b, key in enumerate(keys):
+            p = int(pad[b])
+            self._prefix_cache.insert(key, lambda b=b, p=p: [
+                (la.kbuf[b, :, p:end].clone(), la.vbuf[b, :, p:end].clone()) for la in layers])
 
     def _prefill_hits(self, hits: list[tuple[_Request, int, list[tuple[torch.Tensor, torch.Tensor]]]],
                       kind: str) -> None:
@@ -1311,11 +1350,8 @@ class InferenceEngine:
         logits = self._prefill_forward(ids, mask, position_ids, layers, kind,
                                        prefill_tokens=sum(len(s) for s in seqs),
                                        prefill_dedup_tokens=sum(len(s) for s in all_seqs) - sum(len(s) for s in seqs))
-        if self._prefix_cache.max_tokens:  # each prompt but its last token: a later group-mate runs 1 token
-            for b, s in enumerate(seqs):
-                p = int(pad[b])
-                self._prefix_cache.insert(s[:-1], lambda b=b, p=p: [
-                    (la.kbuf[b, :, p : length - 1].clone(), la.vbuf[b, :, p : length - 1].clone()) for la in layers])
+        # each prompt but its last token: a later group-mate runs 1 token
+        self._cache_rows([q[:-1] for q in seqs], layers, pad, length - 1)
         if len(seqs) < len(reqs):  # every request its own row (its own sampling stream)
             idx = torch.tensor(row_of, dtype=torch.long)
             on_dev = to(idx, self.device)
@@ -1378,29 +1414,14 @@ class InferenceEngine:
         seqs = [r.prompt_ids + r.token_ids for r in reqs]
         first: dict[tuple[int, ...], int] = {}
         row_of = [first.setdefault(tuple(q), len(first)) for q in seqs]
-        uniq = [hits[row_of.index(u)] for u in range(len(first))]  # each sequence's first request
-        cached = [n for _, n, _ in uniq]
-        rest = [list(q[n:]) for q, n in zip(first, cached, strict=True)]
-        S = len(rest[0])
-        past = max(cached)
-        length = past + S
-        pad, layers = self._cached_rows(uniq, S)
-        cols = torch.arange(length)
-        q = torch.arange(past, length)
-        causal = cols.unsqueeze(0) <= q.unsqueeze(1)  # [S(query), length(key)]
-        real = cols.unsqueeze(0) >= pad.unsqueeze(1)  # [B, length]
-        mask = (causal.unsqueeze(0) & real.unsqueeze(1)).unsqueeze(1)  # [B, 1, S, length]
-        position_ids = torch.tensor(cached, dtype=torch.long).unsqueeze(1) + torch.arange(S).unsqueeze(0)
+        uniq = [(q, *hits[row_of.index(u)][1:]) for u, q in enumerate(first)]  # each sequence's first request
+        S = len(uniq[0][0]) - uniq[0][1]
         all_cached = sum(n for _, n, _ in hits)
         counts = ({"prefix_cache_hits": len(hits), "prefix_cache_hit_tokens": all_cached} if kind == "prefix_hit"
                   else {"reencode_prefix_tokens": all_cached})
-        logits = self._prefill_forward(torch.tensor(rest, dtype=torch.long), mask, position_ids, layers, kind,
-                                       prefill_tokens=S * len(uniq), prefill_dedup_tokens=S * (len(hits) - len(uniq)),
-                                       **counts)
-        for b, key in enumerate(first):  # each sequence but its last token, as _prefill_chunk
-            p = int(pad[b])
-            self._prefix_cache.insert(key[:-1], lambda b=b, p=p: [
-                (la.kbuf[b, :, p : length - 1].clone(), la.vbuf[b, :, p : length - 1].clone()) for la in layers])
+        logits, layers, pad, length = self._forward_from_prefix(
+            uniq, kind, prefill_dedup_tokens=S * (len(hits) - len(uniq)), **counts)
+        self._cache_rows([q[:-1] for q in first], layers, pad, length - 1)  # each but its last token, as a prefill
         if len(uniq) < len(reqs):  # every request its own row (its own sampling stream)
             idx = torch.tensor(row_of, dtype=torch.long)
             on_dev = to(idx, self.device)
@@ -1410,6 +1431,30 @@ class InferenceEngine:
         plan = _make_plan([r.params for r in reqs])
         tokens = self._sample_and_record(reqs, logits, plan)
         self._join(_Batch(reqs=reqs, layers=layers, pad=pad, length=length, pending=tokens, plan=plan))
+
+    def _forward_from_prefix(self, rows: list[tuple[Sequence[int], int, list[tuple[torch.Tensor, torch.Tensor]]]],
+                             kind: str, **counts: int) -> tuple[torch.Tensor, list[_KVLayer], torch.Tensor, int]:
+        """One forward pass over sequences whose first tokens have cached keys / values: ``rows``
+        ``(tokens, cached tokens n, per-layer (keys [H, n, D], values))``, all with the same number
+        ``S`` of tokens left. Each row's cached part is left-padded to end at the same column and
+        its ``S`` new tokens follow (the running batch's layout, no gap in any row). Returns the
+        last position's logits ``[B, V]``, the per-layer caches, the left padding ``[B]`` and the
+        length (columns) of the rows; profiled under ``kind``, ``counts`` added to the stats."""
+        cached = [n for _, n, _ in rows]
+        rest = [list(q[n:]) for q, n, _ in rows]
+        S = len(rest[0])
+        past = max(cached)
+        length = past + S
+        pad, layers = self._cached_rows(rows, S)
+        cols = torch.arange(length)
+        q = torch.arange(past, length)
+        causal = cols.unsqueeze(0) <= q.unsqueeze(1)  # [S(query), length(key)]
+        real = cols.unsqueeze(0) >= pad.unsqueeze(1)  # [B, length]
+        mask = (causal.unsqueeze(0) & real.unsqueeze(1)).unsqueeze(1)  # [B, 1, S, length]
+        position_ids = torch.tensor(cached, dtype=torch.long).unsqueeze(1) + torch.arange(S).unsqueeze(0)
+        logits = self._prefill_forward(torch.tensor(rest, dtype=torch.long), mask, position_ids, layers, kind,
+                                       prefill_tokens=S * len(rows), **counts)
+        return logits, layers, pad, length
 
     def _cached_rows(self, hits: list, left: int) -> tuple[torch.Tensor, list[_KVLayer]]:
         """The left padding ``[B]`` and per-layer caches of prefix-cache ``hits`` (as in
