@@ -2,8 +2,11 @@
 ``rollout.prefix_cache_tokens`` 0 (today) and N, in one run.
 
 Usage: python benchmarks/prefix_cache.py [--model smollm2-135m-instruct|tiny] [--prompts 8]
-       [--cache-tokens 4096] [--threads 1] [--update-every S] [--feed-baseline] [--quick]
+       [--cache-tokens 4096] [--threads 1] [--update-every S] [--feed-baseline] [--on-only] [--quick]
        [--output FILE.json]
+
+``--on-only`` runs only the side with the cache (its counts, e.g. padded tokens per re-encoded
+token, without the ratios): for a quick look at an engine change.
 
 ``--feed-baseline`` (always with ``--quick``) adds a third side, the cache on with
 ``prefix_feed_tokens=1`` (the engine before hits with a few tokens left were fed through decode
@@ -107,6 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="publish the same weights as a new version every S seconds (each re-encodes the rows in flight)")
     ap.add_argument("--feed-baseline", action="store_true",
                     help="a third side: the cache on with prefix_feed_tokens=1 (each hit runs a pass of its own)")
+    ap.add_argument("--on-only", action="store_true", help="only the side with the cache (no ratios)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 2 prompts, 24 new tokens (CI smoke run)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
@@ -127,6 +131,17 @@ def main(argv: list[str] | None = None) -> dict:
     samples = load_dataset(cfg.data.train, split_seed=cfg.data.split_seed)[:prompts]
     with RewardService(cfg.reward.fn, timeout_s=600.0, max_workers=1, metrics=ANSWER_METRICS) as rewards:
         workflow = build_workflow(cfg, lm.tokenizer, rewards, version=0)
+        if args.on_only:
+            on, _ = _side(lm.model, lm.tokenizer, workflow, samples, args.cache_tokens, args.threads,
+                          update_every=args.update_every)
+            on["reencode_padded_per_reencoded_token"] = on["reencode_profile"][2] / max(on["reencoded_tokens"], 1)
+            res = {"model": cfg.model.name, "prompts": prompts, "threads": args.threads,
+                   "update_every_s": args.update_every, "on": on, "torch": torch.__version__}
+            print(json.dumps(res))
+            if args.output:
+                with open(args.output, "w") as f:
+                    json.dump(res, f, indent=2)
+            return res
         off, resp_off = _side(lm.model, lm.tokenizer, workflow, samples, 0, args.threads,
                               update_every=args.update_every)
         print(json.dumps(off), flush=True)

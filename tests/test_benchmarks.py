@@ -50,6 +50,7 @@ SCRIPTS: dict[str, tuple[str, list[str]]] = {
     "test_critic_benchmark_quick": ("critic.py", ["--json", "{out}/critic.json"]),  # ~20 s
     "test_prefix_cache_benchmark_quick": ("prefix_cache.py", []),  # ~13 s
     "test_prefix_cache_benchmark_with_updates_quick": ("prefix_cache.py", ["--update-every", "0.1"]),  # ~13 s
+    "test_prefix_cache_benchmark_on_only_quick": ("prefix_cache.py", ["--on-only", "--update-every", "0.1"]),  # ~5 s
     "test_engine_benchmark_quick": ("engine.py", ["--dtype", "bfloat16", "--baseline"]),  # ~12 s
     "test_behaviour_weight_benchmark_quick": ("behaviour_weight.py", ["--compare"]),  # ~10 s
     "test_weight_sync_benchmark_quick": ("weight_sync.py", []),  # ~10 s
@@ -189,6 +190,16 @@ def test_prefix_cache_benchmark_with_updates_quick(quick):
             assert side["reencode_profile"][2] / side["reencoded_tokens"] < per_token / 2
     # the same computation up to float rounding (the updates land at different moments on each side)
     assert r["identical_responses"] >= 0.9
+
+
+def test_prefix_cache_benchmark_on_only_quick(quick):
+    """``--on-only``: the side with the cache alone, its re-encode count per token, no ratios."""
+    r = _run(quick, "test_prefix_cache_benchmark_on_only_quick")
+    assert "off" not in r and "engine_busy_ratio_off_over_on" not in r
+    on = r["on"]
+    assert on["prefix_cache_tokens"] > 0 and on["trajectories"] == 16 and r["update_every_s"] == 0.1
+    assert on["reencode_padded_per_reencoded_token"] == pytest.approx(
+        on["reencode_profile"][2] / max(on["reencoded_tokens"], 1))
 
 
 def test_trainer_benchmark_quick(quick):
