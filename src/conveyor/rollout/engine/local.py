@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,6 +159,34 @@ def _plan_hit_passes(lefts: Sequence[int], lengths: Sequence[int], pass_cost: in
         passes.append(order[cut[j] - 1 : j])
         j = cut[j] - 1
     return passes[::-1]
+
+
+def _hit_passes(hits: Sequence[tuple[Any, int, list[tuple[torch.Tensor, torch.Tensor]]]],
+                lengths: Sequence[int]) -> Iterator[list[tuple[int, int, list[tuple[torch.Tensor, torch.Tensor]]]]]:
+    """Prefix-cache ``hits`` (``(anything, cached tokens n, per-layer (keys [H, n, D], values))``,
+    sequences of ``lengths`` tokens) packed into forward passes by :func:`_plan_hit_passes` with
+    the engine's costs. Each pass as ``(index into hits, keep, keys / values of the first keep
+    tokens)``: ``keep`` = the row's length - the pass's ``S`` (<= n; a row with fewer tokens left
+    than ``S`` recomputes the end of its cached part)."""
+    lefts = [length - n for length, (_, n, _) in zip(lengths, hits, strict=True)]
+    for rows in _plan_hit_passes(lefts, lengths, _PASS_COST_TOKENS, _PREFILL_MAX_TOKENS):
+        S = lefts[rows[0]]
+        out = []
+        for i in rows:
+            _, n, kv = hits[i]
+            keep = lengths[i] - S
+            out.append((i, keep, kv if keep == n else [(k[:, :keep], v[:, :keep]) for k, v in kv]))
+        yield out
+
+
+def _token_chunks(items: list, lengths: Sequence[int]) -> Iterator[list]:
+    """``items`` (sequences of ``lengths`` tokens, longest first) in consecutive chunks of at most
+    ``_PREFILL_MAX_TOKENS`` padded tokens (rows x the chunk's longest; one row at least)."""
+    i = 0
+    while i < len(items):
+        n = max(1, min(len(items) - i, _PREFILL_MAX_TOKENS // lengths[i]))
+        yield items[i : i + n]
+        i += n
 
 
 @dataclass
@@ -1235,35 +1263,23 @@ class InferenceEngine:
         ``_PREFILL_MAX_TOKENS`` padded tokens."""
         todo = sorted(prefixes, key=len)
         while todo:
-            level = [p for p in todo if not any(len(q) < len(p) and p[: len(q)] == q for q in todo)]
-            todo = [p for p in todo if p not in set(level)]
+            level = {p for p in todo if not any(len(q) < len(p) and p[: len(q)] == q for q in todo)}
+            todo = [p for p in todo if p not in level]
             misses, hits = [], []
-            for p in level:
+            for p in sorted(level, key=lambda p: (-len(p), p)):  # longest first, as the passes pack them
                 hit = self._prefix_cache.lookup(p)
                 if hit is None:
                     misses.append(list(p))
                 else:
                     hits.append((p, *hit))
-            misses.sort(key=len, reverse=True)
-            i = 0
-            while i < len(misses):
-                n = max(1, min(len(misses) - i, _PREFILL_MAX_TOKENS // len(misses[i])))
-                chunk = misses[i : i + n]
+            for chunk in _token_chunks(misses, [len(q) for q in misses]):
                 ids, mask, position_ids, pad, length = _padded_prefill_inputs(chunk, self._pad_id)
                 layers = [_KVLayer() for _ in range(self._num_layers)]
                 self._prefill_forward(ids, mask, position_ids, layers, "reencode",
                                       prefill_tokens=sum(len(q) for q in chunk))
                 self._cache_rows(chunk, layers, pad, length)
-                i += n
-            lefts = [len(p) - n for p, n, _ in hits]
-            lengths = [len(p) for p, _, _ in hits]
-            for rows in _plan_hit_passes(lefts, lengths, _PASS_COST_TOKENS, _PREFILL_MAX_TOKENS):
-                S = lefts[rows[0]]
-                group = []
-                for j in rows:
-                    p, n, kv = hits[j]
-                    keep = len(p) - S
-                    group.append((p, keep, kv if keep == n else [(k[:, :keep], v[:, :keep]) for k, v in kv]))
+            for rows in _hit_passes(hits, [len(p) for p, _, _ in hits]):
+                group = [(hits[j][0], keep, kv) for j, keep, kv in rows]
                 _, layers, pad, length = self._forward_from_prefix(group, "reencode")
                 self._cache_rows([p for p, _, _ in group], layers, pad, length)
 
@@ -1291,17 +1307,9 @@ class InferenceEngine:
         for i, (r, _, _) in enumerate(hits):
             rows_of.setdefault(tuple(r.prompt_ids + r.token_ids), []).append(i)
         members = list(rows_of.values())
-        seqs = [len(r.prompt_ids) + len(r.token_ids) for r, _, _ in (hits[m[0]] for m in members)]
-        lefts = [n_seq - hits[m[0]][1] for n_seq, m in zip(seqs, members, strict=True)]
-        for rows in _plan_hit_passes(lefts, seqs, _PASS_COST_TOKENS, _PREFILL_MAX_TOKENS):
-            S = lefts[rows[0]]
-            group = []
-            for u in rows:
-                keep = seqs[u] - S  # <= cached: the cached tokens these rows do not run again
-                for i in members[u]:
-                    r, n, kv = hits[i]
-                    group.append((r, keep, kv if keep == n else [(k[:, :keep], v[:, :keep]) for k, v in kv]))
-            self._prefill_from_prefix(group, kind)
+        uniq = [hits[m[0]] for m in members]  # a sequence's requests share its lookup (cached n, keys / values)
+        for rows in _hit_passes(uniq, [len(r.prompt_ids) + len(r.token_ids) for r, _, _ in uniq]):
+            self._prefill_from_prefix([(hits[i][0], keep, kv) for u, keep, kv in rows for i in members[u]], kind)
 
     def _reap(self) -> None:
         """Drop cancelled requests and finish the ones :meth:`abort` flagged with their tokens
@@ -1332,12 +1340,8 @@ class InferenceEngine:
         token and merge the unfinished ones into the running batch (``kind``: ``"reencode"`` or
         ``"admit"``, for ``prefill_profile``)."""
         reqs = sorted(reqs, key=lambda r: len(r.prompt_ids) + len(r.token_ids), reverse=True)
-        i = 0
-        while i < len(reqs):
-            longest = len(reqs[i].prompt_ids) + len(reqs[i].token_ids)
-            n = max(1, min(len(reqs) - i, _PREFILL_MAX_TOKENS // longest))
-            self._prefill_chunk(reqs[i : i + n], kind)
-            i += n
+        for chunk in _token_chunks(reqs, [len(r.prompt_ids) + len(r.token_ids) for r in reqs]):
+            self._prefill_chunk(chunk, kind)
 
     def _prefill_chunk(self, reqs: list[_Request], kind: str) -> None:
         all_seqs = [r.prompt_ids + r.token_ids for r in reqs]
