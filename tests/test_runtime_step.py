@@ -201,21 +201,27 @@ def test_batch_metrics_by_hand():
 def test_run_clock_throughput_and_busy_fractions(monkeypatch):
     import conveyor.runtime.record as rec
 
-    now = [100.0]
+    now, cpu = [100.0], [7.0]
     monkeypatch.setattr(rec.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(rec.time, "process_time", lambda: cpu[0])
+    monkeypatch.setattr(rec.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     stats = [{"busy_seconds": 5.0, "generated_tokens": 1000}]
     clock = RunClock(lambda: stats[0])
-    now[0], stats[0] = 110.0, {"busy_seconds": 13.0, "generated_tokens": 1500, "pause_seconds_total": 1.5}
+    assert clock.cores == 2
+    now[0], stats[0], cpu[0] = 110.0, {"busy_seconds": 13.0, "generated_tokens": 1500, "pause_seconds_total": 1.5}, 22.0
     clock.add_busy(4.0)
     m = clock.tick()
     assert m["throughput/generated_tokens_per_s"] == pytest.approx(50.0)  # 500 tokens in 10 s
     assert m["busy/trainer"] == pytest.approx(0.4) and m["busy/engine"] == pytest.approx(0.8)
+    assert m["busy/cpu"] == pytest.approx(0.75)  # 15 CPU seconds in 10 s on 2 cores
     assert m["time/step_wall_s"] == pytest.approx(10.0) and m["engine/pause_seconds_total"] == 1.5
     now[0], stats[0] = 130.0, {"busy_seconds": 23.0, "generated_tokens": 1600}
     m = clock.tick()  # the second tick measures from the first
     assert m["throughput/generated_tokens_per_s"] == pytest.approx(5.0)
     assert m["time/step_wall_s"] == pytest.approx(20.0) and m["time/elapsed_s"] == pytest.approx(30.0)
-    assert clock.busy(6.0) == {"time/elapsed_s": 30.0, "busy/trainer": 0.2, "busy/engine": pytest.approx(0.6)}
+    cpu[0] = 55.0
+    assert clock.busy(6.0) == {"time/elapsed_s": 30.0, "busy/trainer": 0.2, "busy/engine": pytest.approx(0.6),
+                               "busy/cpu": pytest.approx(0.8)}  # 48 CPU seconds in 30 s on 2 cores
 
 
 def test_step_recorder_logs_row_batch_and_named_events():

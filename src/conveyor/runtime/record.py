@@ -1,7 +1,8 @@
 """The record phase of the step protocol (issue 12, section 1): per-step metrics, the run's logs
 and the progress display, written once for every runtime.
 
-- :class:`RunClock`: wall-clock and busy seconds of one process segment (trainer and engine).
+- :class:`RunClock`: wall-clock and busy seconds of one process segment (trainer and engine), and
+  the share of the machine's cores the process kept busy.
 - :func:`batch_metrics`: what a batch of trajectories says about the rollouts (accuracy, format,
   reward failures, truncation, lengths; turns, tool calls and sandbox incidents of multi-turn
   episodes: :func:`agent_metrics`).
@@ -11,6 +12,7 @@ and the progress display, written once for every runtime.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -32,11 +34,15 @@ class RunClock:
 
     Attributes:
         trainer_busy: Seconds the trainer side was busy so far (add with :meth:`add_busy`).
+        cores: The CPU cores this process may run on (``os.sched_getaffinity``; ``os.cpu_count()``
+            where that does not exist), the denominator of ``busy/cpu``.
     """
 
     def __init__(self, engine_stats):
         self.engine_stats = engine_stats
+        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self.t_start = time.perf_counter()
+        self.cpu_start = time.process_time()
         self.eng0 = engine_stats()
         self.trainer_busy = 0.0
         self._last_eng, self._last_t = self.eng0, self.t_start
@@ -56,16 +62,27 @@ class RunClock:
         stats = stats if stats is not None else self.engine_stats()
         return (stats["busy_seconds"] - self.eng0["busy_seconds"]) / max(1, int(stats.get("num_engines", 1)))
 
+    def cpu_busy(self, wall_s: float | None = None) -> float:
+        """The share of the machine's cores this process kept busy since the segment started:
+        the CPU seconds of all its threads (``time.process_time``: user + system, every thread of
+        the engine, the trainer, the reference scorer, ...; not child processes such as reward
+        workers) over ``wall_s x cores``. 1.0: every core busy all the time. Unlike
+        ``busy/trainer`` / ``busy/engine`` it counts a core by what ran on it, not by which
+        component owns it (a trainer that borrows the idle engine's core keeps that core busy)."""
+        wall_s = max(self.wall() if wall_s is None else wall_s, 1e-9)
+        return (time.process_time() - self.cpu_start) / (wall_s * self.cores)
+
     def busy(self, trainer_busy_s: float) -> dict[str, float]:
         """``time/elapsed_s`` and the busy fractions with ``trainer_busy_s`` trainer seconds
         (the critic warm-up's rows)."""
         wall_s = max(self.wall(), 1e-9)
         return {"time/elapsed_s": wall_s, "busy/trainer": trainer_busy_s / wall_s,
-                "busy/engine": self.engine_busy_since_start() / wall_s}
+                "busy/engine": self.engine_busy_since_start() / wall_s, "busy/cpu": self.cpu_busy(wall_s)}
 
     def tick(self) -> dict[str, float]:
         """The step's timing metrics since the previous tick: generation throughput (tokens/s),
-        busy fractions over the segment, the step's wall-clock and the elapsed time (s); with
+        busy fractions over the segment (``busy/trainer``, ``busy/engine``: the components';
+        ``busy/cpu``: the cores', :meth:`cpu_busy`), the step's wall-clock and the elapsed time (s); with
         several engines also the router's cumulative ``engine/restarts``,
         ``engine/resubmitted`` (requests run again after their engine died) and
         ``engine/routed_by_affinity``."""
@@ -77,6 +94,7 @@ class RunClock:
                 (eng["generated_tokens"] - self._last_eng["generated_tokens"]) / max(1e-9, now - self._last_t),
             "busy/trainer": self.trainer_busy / wall,
             "busy/engine": self.engine_busy_since_start(eng) / wall,
+            "busy/cpu": self.cpu_busy(wall),
             "time/step_wall_s": now - self._last_t,
             "time/elapsed_s": wall,
             "engine/pause_seconds_total": eng.get("pause_seconds_total", 0.0),
