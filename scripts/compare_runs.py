@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from conveyor.runlog import read_metrics  # noqa: E402
 
-TABLE_HEADER = ("| run | updates | training loop | held-out before -> after | busy trainer / engine | dropped as stale "
+TABLE_HEADER = ("| run | updates | training loop | held-out before -> after | busy trainer / engine / cpu | dropped as stale "
                 "| mean staleness | generated tokens/s | engine dtype |\n|---|---|---|---|---|---|---|---|---|")
 
 
@@ -71,6 +71,10 @@ def table_row(run: Path, label: str) -> str:
         return "-" if x is None else f"{x:.3f}"
 
     stale = sum(r["staleness/mean"] for r in rows) / len(rows)
+    cpu = summ.get("cpu_busy")  # the cores' busy share (summary.json; rows' busy/cpu since 221f6a7)
+    if cpu is None and len(summ.get("segments", [])) <= 1:  # one process: its last row covers the loop
+        cpu = rows[-1].get("busy/cpu")
+    cpu = "-" if cpu is None else f"{cpu:.2f}"
     dropped = rows[-1].get("rollout/dropped_stale", 0.0)
     share = rows[-1].get("rollout/dropped_stale_share")
     if share is None:  # runs before the metric: dropped over accepted trajectories
@@ -82,7 +86,7 @@ def table_row(run: Path, label: str) -> str:
     gen = sum(r["throughput/generated_tokens_per_s"] * r["time/step_wall_s"] for r in timed) if timed else None
     steps_s = sum(r["time/step_wall_s"] for r in timed)
     return (f"| {label} | {summ['steps']} | {wall:,.0f} s | {acc(summ['heldout_before'])} -> {acc(summ['heldout_after'])} "
-            f"| {summ['trainer_busy']:.2f} / {summ['engine_busy']:.2f} "
+            f"| {summ['trainer_busy']:.2f} / {summ['engine_busy']:.2f} / {cpu} "
             f"| {100 * share:.1f}% ({dropped:.0f}) "
             f"| {stale:.2f} | {'-' if gen is None else f'{gen / steps_s:.1f}'} | {eng.get('dtype', '-')} |")
 

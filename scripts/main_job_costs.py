@@ -2,7 +2,7 @@
 the training loop, trained tokens, the trainer's seconds per 1,000 trained tokens, the KL
 reference's seconds (``time/reference_s``) and the share of it scored before the update
 (``reference/precomputed_frac``, weighted by tokens), the reference scorer's counters, busy
-fractions, generated tokens, the engine's mean decode step, stale drops, the seconds the trainer
+fractions (the trainer's, the engine's and the cores' ``busy/cpu``), generated tokens, the engine's mean decode step, stale drops, the seconds the trainer
 ran with the idle engine's threads (``trainer.elastic_threads``: ``time/borrowed_threads_s``,
 the engine's ``lends`` and ``reclaim_wait_seconds``; section 14) and the peak resident memory
 (``/usr/bin/time -v`` in ``console.log``, when present).
@@ -42,11 +42,13 @@ def costs(run: Path) -> str:
     peak = f"{int(m.group(1)) / 1e6:.1f} GB" if m else "-"
     decode = (e["busy_seconds"] - e["prefill_seconds"]) / max(1, e["decode_steps"])
     borrowed = sum(r.get("time/borrowed_threads_s", 0.0) for r in rows)
+    # busy/cpu (the share of the cores the process kept busy, since 221f6a7): the last row's covers the segment
+    cpu = f"{last['busy/cpu']:.2f}" if "busy/cpu" in last else "-"
     return (f"{run.name}: loop {s['wall_seconds']:.0f} s | trained tokens {tokens:.0f} | trainer s per 1k tokens "
             f"{1000 * train_s / tokens:.2f} | reference {ref_s:.0f} s ({ref_s / len(rows):.2f} per update), precomputed "
             f"{pre:.2f} | scorer busy {last.get('reference/scorer_busy_s', 0.0):.0f} s "
             f"({last.get('reference/scored_trajectories', 0):.0f} scored, {last.get('reference/attached_trajectories', 0):.0f} "
-            f"attached) | busy trainer {s['trainer_busy']:.2f} engine {s['engine_busy']:.2f} | generated "
+            f"attached) | busy trainer {s['trainer_busy']:.2f} engine {s['engine_busy']:.2f} cpu {cpu} | generated "
             f"{e['generated_tokens']} | decode step {decode:.3f} s | dropped {last.get('rollout/dropped_stale', 0):.0f} | "
             f"borrowed {borrowed:.0f} s ({e.get('lends', 0)} lends, engine waited {e.get('reclaim_wait_seconds', 0.0):.1f} s) | "
             f"peak {peak}")

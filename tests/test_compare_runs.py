@@ -16,12 +16,12 @@ def _module():
     return mod
 
 
-def _run(tmp_path: Path, name: str, last: dict) -> Path:
+def _run(tmp_path: Path, name: str, last: dict, **summary) -> Path:
     run = tmp_path / name
     run.mkdir()
     (run / "summary.json").write_text(json.dumps({
         "steps": 2, "wall_seconds": 1500.0, "heldout_before": 0.2, "heldout_after": 0.45,
-        "trainer_busy": 0.5, "engine_busy": 0.875}))
+        "trainer_busy": 0.5, "engine_busy": 0.875, **summary}))
     (run / "config.json").write_text(json.dumps({"rollout": {"group_size": 8}}))
     (run / "engine_stats.json").write_text(json.dumps({"generated_tokens": 30000, "dtype": "bfloat16"}))
     rows = [{"step": 1, "staleness/mean": 1.0, "rollout/dropped_stale": 0.0, "rollout/episodes_accepted": 4,
@@ -36,11 +36,17 @@ def test_table_row_reports_wall_clock_accuracy_busy_drops_staleness_and_tokens_p
     mod = _module()
     row = mod.table_row(_run(tmp_path, "a", {"rollout/dropped_stale": 8.0, "rollout/dropped_stale_share": 0.05,
                                              "rollout/episodes_accepted": 20}), "after")
-    assert row == ("| after | 2 | 1,500 s | 0.200 -> 0.450 | 0.50 / 0.88 | 5.0% (8) | 1.50 | 20.0 | bfloat16 |")
+    assert row == ("| after | 2 | 1,500 s | 0.200 -> 0.450 | 0.50 / 0.88 / - | 5.0% (8) | 1.50 | 20.0 | bfloat16 |")
     # tokens/s: (10 x 500 + 25 x 1000) / 1500 = 20.0 (the engine's 30,000 include evaluations)
     # a run from before the share metric: dropped over accepted trajectories (20 groups of 8)
     old = mod.table_row(_run(tmp_path, "b", {"rollout/dropped_stale": 16.0, "rollout/episodes_accepted": 20}), "b")
     assert "| 10.0% (16) |" in old
+    # the cores' busy share where the run measured it (busy/cpu)
+    # a one-process run whose summary predates the key: its last row's busy/cpu covers the loop
+    assert "| 0.50 / 0.88 / 0.61 |" in mod.table_row(
+        _run(tmp_path, "d", {"rollout/dropped_stale_share": 0.0, "busy/cpu": 0.61}), "d")
+    assert "| 0.50 / 0.88 / 0.93 |" in mod.table_row(
+        _run(tmp_path, "c", {"rollout/dropped_stale_share": 0.0}, cpu_busy=0.925), "c")
     assert mod.TABLE_HEADER.count("\n") == 1 and mod.TABLE_HEADER.split("\n")[0].count("|") == row.count("|")
 
 

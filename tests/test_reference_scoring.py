@@ -217,6 +217,26 @@ def test_reference_scoring_off_the_update_refuses_what_it_cannot_serve(override,
     TrainConfig.model_validate({"trainer": {"reference_scoring": mode}})
 
 
+def test_reference_scoring_auto_is_background_where_it_can_run_and_update_elsewhere():
+    from conveyor.config import resolve_reference_scoring
+
+    def resolve(device="cpu", **over):
+        return resolve_reference_scoring(TrainConfig.model_validate({"trainer": {"reference_scoring": "auto"}, **over}),
+                                         device)
+
+    assert resolve() == ("background", "trainer.reference_scoring=auto: background (a nice-19 thread beside the engine)")
+    for over, named in (({"runtime": {"name": "ray"}}, "runtime.name=ray"),
+                        ({"rollout": {"num_engines": 2}}, "rollout.num_engines=2"),
+                        ({"lora": {"enabled": True}}, "lora.enabled=true")):
+        mode, why = resolve(**over)  # accepted by the config (auto never refuses), resolved to the update
+        assert mode == "update" and named in why
+    mode, why = resolve("cuda:0")
+    assert mode == "update" and "cuda:0" in why
+    for explicit in ("update", "idle_engine", "background"):  # an explicit mode is kept as set
+        cfg = TrainConfig.model_validate({"trainer": {"reference_scoring": explicit}})
+        assert resolve_reference_scoring(cfg, "cuda:0")[0] == explicit
+
+
 def test_engine_idle_reflects_waiting_and_running_requests(tiny):
     from conveyor.rollout.engine import InferenceEngine, SamplingParams
 
@@ -234,7 +254,7 @@ def test_engine_idle_reflects_waiting_and_running_requests(tiny):
         engine.stop()
 
 
-@pytest.mark.parametrize("mode", ["idle_engine", "background"])
+@pytest.mark.parametrize("mode", ["idle_engine", "background", "auto"])
 def test_a_run_scoring_the_reference_off_the_update_trains_on_precomputed_values(tmp_path, mode, monkeypatch):
     """The inline runtime wires the scorer: it scores buffered trajectories while the engine
     idles, the values reach the updates, and the run ends cleanly (the thread stopped). In
@@ -266,4 +286,4 @@ def test_a_run_scoring_the_reference_off_the_update_trains_on_precomputed_values
     assert last["reference/attached_trajectories"] > 0
     assert any(r["reference/precomputed_frac"] > 0 for r in rows)
     assert not [t for t in threading.enumerate() if t.name == "conveyor-reference"]
-    assert asked == ([1] if mode == "background" else [])
+    assert asked == ([1] if mode in ("background", "auto") else [])  # auto on the CPU: background

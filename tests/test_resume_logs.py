@@ -381,11 +381,17 @@ def test_segment_summary_gives_every_segment_its_versions(tmp_path):
     (tmp_path / "metrics.superseded.jsonl").write_text(rows(0, [3, 4], superseded={"resume_from_version": 2}))
     (tmp_path / "critic_warmup.jsonl").write_text(rows(0, [-1, 0]))
     cur = {"segment": 1, "wall_seconds": 30.0, "trainer_busy_seconds": 15.0, "engine_busy_seconds": 15.0,
-           "start_version": 2, "end_version": 5}
-    segs = segment_summary(tmp_path, cur)["segments"]
+           "cpu_busy_seconds": 24.0, "start_version": 2, "end_version": 5}
+    summ = segment_summary(tmp_path, cur)
+    segs = summ["segments"]
     assert [(s["segment"], s["start_version"], s["end_version"]) for s in segs] == [(0, 0, 4), (1, 2, 5)]
     assert set(segs[0]) == set(segs[1])
     assert (segs[0]["steps"], segs[0]["superseded_steps"], segs[0]["wall_seconds"]) == (4, 2, 40.0)
+    assert summ["cpu_busy"] is None  # segment 0's rows predate busy/cpu: no share of the cores claimed
+    (tmp_path / "metrics.superseded.jsonl").write_text(rows(0, [3, 4], superseded={"resume_from_version": 2},
+                                                            **{"busy/cpu": 0.75}))
+    # 0.75 x 40 s (segment 0's last row) + 24 s (this process) over 70 s
+    assert segment_summary(tmp_path, cur)["cpu_busy"] == pytest.approx(54.0 / 70.0)
 
 
 def test_a_console_reader_that_goes_away_does_not_stop_the_run(tmp_path):

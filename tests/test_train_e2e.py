@@ -38,6 +38,7 @@ def test_tiny_async_run_end_to_end(tmp_path):
         # the staleness bound: no trajectory older than eta versions at the step that trains it
         assert r["staleness/max"] <= 1
         assert 0.0 <= r["busy/trainer"] <= 1.0 and 0.0 <= r["busy/engine"] <= 1.0
+        assert 0.0 < r["busy/cpu"] <= 1.0  # the loop computes: some of the cores' time is its
         assert r["train/tokens"] > 0
     for name in ("config.json", "summary.json", "report.png", "eval_before.json", "eval_after.json", "events.jsonl"):
         assert (run / name).is_file(), name
@@ -47,6 +48,7 @@ def test_tiny_async_run_end_to_end(tmp_path):
     assert len(groups) == len(set(groups)) == 4 * 2  # batch of 2 groups per step, none twice
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["heldout_before"] is not None
+    assert 0.0 < summary["cpu_busy"] <= 1.0 and res.cpu_busy == summary["cpu_busy"]
 
 
 def test_eta_zero_is_synchronous(tmp_path):

@@ -435,7 +435,8 @@ def train_cmd(
             _fail(str(e))
         raise
     console.print(f"[bold]run directory:[/] {res.run_dir}  (steps {res.steps}, {res.wall_seconds:.0f} s, "
-                  f"trainer busy {res.trainer_busy:.2f}, engine busy {res.engine_busy:.2f})")
+                  f"trainer busy {res.trainer_busy:.2f}, engine busy {res.engine_busy:.2f}"
+                  + ("" if res.cpu_busy is None else f", cores busy {res.cpu_busy:.2f}") + ")")
     if res.heldout_before is not None or res.heldout_after is not None:
         fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
         console.print(f"[bold]held-out pass@1 (greedy):[/] before {fmt(res.heldout_before)} -> after {fmt(res.heldout_after)}")

@@ -480,13 +480,14 @@ class TrainerConfig(_Strict):
     max_nonfinite_in_a_row: int = Field(default=3, ge=1)
     num_threads: int | None = Field(default=None, ge=1, description="trainer intra-op threads (default: auto, see run.threads)")
     separate_proximal_pass: bool = Field(default=False, description="always compute pi_prox in its own forward pass (with minibatches=1 the gradient pass's detached log-probs are identical and are reused)")
-    reference_scoring: Literal["update", "idle_engine", "background"] = Field(
+    reference_scoring: Literal["update", "idle_engine", "background", "auto"] = Field(
         default="update", description="where the KL reference's log-probs (loss.kl_coef > 0) are computed: in the update's "
                                       "score phase; idle_engine: a thread scores buffered trajectories while the local engine "
                                       "has nothing to run, on its cores; background: the same thread at the lowest scheduling "
                                       "priority without that gate, on whatever CPU time no other thread wants "
                                       "(conveyor.trainer.reference; the update computes whatever was not scored; inline "
-                                      "runtime, one engine, no LoRA, one process)")
+                                      "runtime, one engine, no LoRA, one process); auto: background where it can run "
+                                      "and the trainer is on the CPU, update elsewhere (the run's log says which)")
     elastic_threads: bool = Field(
         default=False, description="inline runtime: while the local engine has nothing to run during an update (it waits "
                                    "for the next version's capacity), the trainer computes with its own threads plus the "
@@ -747,18 +748,11 @@ class TrainConfig(_Strict):
                                  "ratio, the controller could never change the bound; set async.eta_max >= 1, or "
                                  "async.adaptive=false async.eta=0 for a synchronous run")
         _check_monitor_actions(self)
-        if self.trainer.reference_scoring != "update":
-            why = [w for w, bad in (
-                (f"runtime.name={self.runtime.name} (the scorer borrows the in-process engine's idle cores; inline only)",
-                 self.runtime.name != "inline"),
-                (f"rollout.num_engines={self.rollout.num_engines} (one engine's idle time)", self.rollout.num_engines > 1),
-                ("lora.enabled=true (the reference is the policy with its adapters disabled, not a frozen copy)",
-                 self.lora.enabled),
-                (f"trainer.world_size={self.trainer.world_size} (one trainer process)", self.trainer.world_size > 1),
-            ) if bad]
+        if self.trainer.reference_scoring not in ("update", "auto"):
+            why = reference_scoring_blockers(self)
             if why:
                 raise ValueError(f"trainer.reference_scoring={self.trainer.reference_scoring} does not work with " + "; ".join(why)
-                                 + ": set trainer.reference_scoring=update")
+                                 + ": set trainer.reference_scoring=update (or auto: off the update where it can run)")
         if self.trainer.elastic_threads:
             why = [w for w, bad in (
                 (f"runtime.name={self.runtime.name} (the trainer borrows the in-process engine's threads; inline only)",
@@ -919,6 +913,41 @@ class TrainConfig(_Strict):
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (with the ``async`` key spelled as in files)."""
         return self.model_dump(by_alias=True, mode="json")
+
+
+def reference_scoring_blockers(cfg: TrainConfig) -> list[str]:
+    """Why ``cfg`` cannot score the KL reference off the update (``trainer.reference_scoring=
+    idle_engine`` / ``background``), each naming its key (empty: it can): the scorer is a thread
+    beside one in-process engine and one trainer process, over a frozen reference copy."""
+    return [w for w, bad in (
+        (f"runtime.name={cfg.runtime.name} (the scorer borrows the in-process engine's idle cores; inline only)",
+         cfg.runtime.name != "inline"),
+        (f"rollout.num_engines={cfg.rollout.num_engines} (one engine's idle time)", cfg.rollout.num_engines > 1),
+        ("lora.enabled=true (the reference is the policy with its adapters disabled, not a frozen copy)",
+         cfg.lora.enabled),
+        (f"trainer.world_size={cfg.trainer.world_size} (one trainer process)", cfg.trainer.world_size > 1),
+    ) if bad]
+
+
+def resolve_reference_scoring(cfg: TrainConfig, trainer_device: str) -> tuple[str, str]:
+    """The reference-scoring mode a run uses and why: ``trainer.reference_scoring`` as set, or
+    for ``auto`` ``background`` where :func:`reference_scoring_blockers` finds nothing and the
+    trainer is on the CPU (``trainer_device``, resolved: ``"cpu"``, ``"cuda:0"``, ...), else
+    ``update`` (on a GPU the reference pass is a small part of the update and a second thread's
+    kernels would queue behind the update's; docs/results/main_job.md section 18 for the CPU).
+
+    Returns:
+        ``(mode, reason)``: mode is ``"update"``, ``"idle_engine"`` or ``"background"``; reason is
+        one line for the run's log."""
+    mode = cfg.trainer.reference_scoring
+    if mode != "auto":
+        return mode, f"trainer.reference_scoring={mode}"
+    why = reference_scoring_blockers(cfg)
+    if not trainer_device.startswith("cpu"):
+        why.append(f"the trainer on {trainer_device} (not the CPU's cores)")
+    if why:
+        return "update", "trainer.reference_scoring=auto: update (" + "; ".join(why) + ")"
+    return "background", "trainer.reference_scoring=auto: background (a nice-19 thread beside the engine)"
 
 
 def data_parallel_unsupported(trainer: TrainerConfig, loss: LossConfig, proximal: ProximalConfig,

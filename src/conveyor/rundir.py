@@ -69,6 +69,8 @@ class TrainResult:
         wall_seconds: Training-loop wall-clock (s). interrupted: stopped early, by Ctrl-C /
             SIGTERM or a monitor rule's ``stop`` action.
         trainer_busy / engine_busy: Busy fractions of the training-loop wall-clock.
+        cpu_busy: The share of the machine's cores the process kept busy in the loop (0..1;
+            None where not measured: a run from before the metric).
         stop_reason: ``"signal"``, ``"monitor rule R"``, or None (not stopped early).
         signal: The number of the signal that stopped it (``signal.SIGINT`` / ``SIGTERM``;
             ``conveyor train`` exits with ``128 + signal``, the shell's convention), else None.
@@ -84,6 +86,7 @@ class TrainResult:
     engine_busy: float
     stop_reason: str | None = None
     signal: int | None = None
+    cpu_busy: float | None = None
 
 
 # keys a resumed run must keep (the checkpoint was made with them)
@@ -277,6 +280,7 @@ def finished_result(run_dir: Path, cfg: TrainConfig, console) -> TrainResult | N
         False,
         float(s.get("trainer_busy", 0.0)),
         float(s.get("engine_busy", 0.0)),
+        cpu_busy=s.get("cpu_busy"),
     )
 
 

@@ -525,12 +525,14 @@ def segment_summary(run_dir: str | Path, current: dict) -> dict:
     Args:
         run_dir: The run directory.
         current: ``{"segment", "wall_seconds", "trainer_busy_seconds", "engine_busy_seconds",
-            "start_version", "end_version"}`` of this process.
+            "cpu_busy_seconds", "start_version", "end_version"}`` of this process
+            (``cpu_busy_seconds``: ``busy/cpu`` x wall seconds, None where not measured).
 
     Returns:
         ``{"wall_seconds": total s, "trainer_busy": fraction, "engine_busy": fraction,
-        "segments": [per-segment dicts, oldest first]}``; per segment: ``segment``,
-        ``wall_seconds``, ``trainer_busy_seconds``, ``engine_busy_seconds``, ``steps`` (rows
+        "cpu_busy": fraction of the cores (None if a segment did not measure it: rows from before
+        ``busy/cpu``), "segments": [per-segment dicts, oldest first]}``; per segment: ``segment``,
+        ``wall_seconds``, ``trainer_busy_seconds``, ``engine_busy_seconds``, ``cpu_busy_seconds``, ``steps`` (rows
         kept), ``superseded_steps`` (rows a resume superseded), ``first_step``, ``last_step``,
         ``start_version`` / ``end_version`` (the policy version the process started from and the
         last one it reached; for an earlier process, read from its rows: the version before its
@@ -543,7 +545,7 @@ def segment_summary(run_dir: str | Path, current: dict) -> dict:
     for r in rows:
         k = int(r.get("segment", 0))
         s = segs.setdefault(k, {"segment": k, "wall_seconds": 0.0, "trainer_busy_seconds": 0.0,
-                                "engine_busy_seconds": 0.0, "steps": 0, "superseded_steps": 0,
+                                "engine_busy_seconds": 0.0, "cpu_busy_seconds": None, "steps": 0, "superseded_steps": 0,
                                 "first_step": r["step"], "last_step": r["step"]})
         s["superseded_steps" if r.get("superseded") else "steps"] += 1
         s["first_step"] = min(s["first_step"], r["step"])
@@ -553,6 +555,7 @@ def segment_summary(run_dir: str | Path, current: dict) -> dict:
             s["wall_seconds"] = el
             s["trainer_busy_seconds"] = float(r.get("busy/trainer") or 0.0) * el
             s["engine_busy_seconds"] = float(r.get("busy/engine") or 0.0) * el
+            s["cpu_busy_seconds"] = None if r.get("busy/cpu") is None else float(r["busy/cpu"]) * el
     for s in segs.values():  # steps are versions (v + 1 after an update from v; <= 0 in a warm-up)
         s["start_version"] = max(0, s["first_step"] - 1)
         s["end_version"] = max(0, s["last_step"])
@@ -561,10 +564,12 @@ def segment_summary(run_dir: str | Path, current: dict) -> dict:
     cur.update(current)
     out = [segs[k] for k in sorted(segs)]
     wall = sum(s["wall_seconds"] for s in out)
+    cpu = [s.get("cpu_busy_seconds") for s in out]
     return {
         "wall_seconds": wall,
         "trainer_busy": sum(s["trainer_busy_seconds"] for s in out) / max(wall, 1e-9),
         "engine_busy": sum(s["engine_busy_seconds"] for s in out) / max(wall, 1e-9),
+        "cpu_busy": None if None in cpu else sum(cpu) / max(wall, 1e-9),
         "segments": out,
     }
 

@@ -35,7 +35,7 @@ from conveyor.checkpoint import (
     latest_checkpoint,
     save_checkpoint,
 )
-from conveyor.config import ConfigError, TrainConfig, load_config
+from conveyor.config import ConfigError, TrainConfig, load_config, resolve_reference_scoring
 from conveyor.data import load_dataset
 from conveyor.eval import unknown_note
 from conveyor.hardware import resolve_bf16
@@ -426,6 +426,8 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
     if cfg.runtime.name == "ray":  # the rollout side in a Ray actor, the same ports (runtime/ray.py)
         from conveyor.runtime.ray import build_ray_rollout
 
+        if cfg.trainer.reference_scoring == "auto" and cfg.loss.kl_coef > 0:  # (inline: runtime/inline.py logs it)
+            log.info("%s", resolve_reference_scoring(cfg, "cpu")[1])  # update: runtime.name=ray is a blocker
         parts = build_ray_rollout(cfg, trainer, job.train_samples, engine_threads=job.engine_threads,
                                   logger=logger, ctx=ctx, n_too_long=job.n_too_long, state=job.state)
     else:
@@ -506,13 +508,15 @@ def _finish(cfg: TrainConfig, job: _Job, parts: RolloutSide, loop: LoopResult, l
         logger.event("export", path=str(export_dir), version=trainer.version)
     seg = segment_summary(run_dir, {  # wall-clock over every process segment of the run
         "segment": logger.segment, "wall_seconds": loop.wall_s, "trainer_busy_seconds": loop.trainer_busy_s,
-        "engine_busy_seconds": loop.engine_busy_s, "start_version": ctx.start_version,
+        "engine_busy_seconds": loop.engine_busy_s,
+        "cpu_busy_seconds": None if loop.cpu_busy is None else loop.cpu_busy * loop.wall_s,
+        "start_version": ctx.start_version,
         "end_version": trainer.version})
     needs_proximal = trainer.objective.needs_proximal
     summary = {
         "run_dir": str(run_dir), "steps": trainer.version, "heldout_before": before, "heldout_after": after,
         "wall_seconds": seg["wall_seconds"], "interrupted": loop.interrupted, "stop_reason": loop.stop_reason,
-        "trainer_busy": seg["trainer_busy"], "engine_busy": seg["engine_busy"],
+        "trainer_busy": seg["trainer_busy"], "engine_busy": seg["engine_busy"], "cpu_busy": seg["cpu_busy"],
         "segments": seg["segments"], "controller": controller.counters(),
         # the bound in force at the end (the adaptive controller / monitor may have moved it) and the configured one
         "eta": loop.eta, "eta_configured": cfg.asynchronous.eta, "eta_adaptive": cfg.asynchronous.adaptive,
@@ -539,7 +543,8 @@ def _finish(cfg: TrainConfig, job: _Job, parts: RolloutSide, loop: LoopResult, l
     logger.report(report, summary)  # log.wandb: the report image and the summary to W&B
     return TrainResult(run_dir, trainer.version, before, after, summary["wall_seconds"],
                        loop.interrupted, summary["trainer_busy"], summary["engine_busy"], loop.stop_reason,
-                       ctx.interrupts.first_signum if loop.stop_reason == "signal" else None)
+                       ctx.interrupts.first_signum if loop.stop_reason == "signal" else None,
+                       cpu_busy=summary["cpu_busy"])
 
 
 def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> TrainConfig:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from conveyor.checkpoint import save_checkpoint
-from conveyor.config import TrainConfig
+from conveyor.config import TrainConfig, resolve_reference_scoring
 from conveyor.data import DatasetError
 from conveyor.eval import evaluate, unknown_note
 from conveyor.faults import fault_point
@@ -363,13 +363,18 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
 
 def reference_scorer(cfg: TrainConfig, trainer: Trainer, engine, buffered: Callable[[], list], engine_threads: int,
                      ctx: RunContext) -> ReferenceScorer | None:
-    """``trainer.reference_scoring=idle_engine`` / ``background``: a started
+    """``trainer.reference_scoring=idle_engine`` / ``background`` (or ``auto`` resolved to one:
+    :func:`~conveyor.config.resolve_reference_scoring`): a started
     :class:`~conveyor.trainer.reference.ReferenceScorer` over the trainer's frozen reference
     policy that scores the buffered trajectories (``buffered()``) while ``engine`` idles (``idle_engine``) or at
     the lowest scheduling priority (``background``), with the engine's thread count (stopped
     with the run); None otherwise or without a KL reference (``loss.kl_coef=0``)."""
-    mode = cfg.trainer.reference_scoring
-    if mode == "update" or getattr(trainer, "reference_model", None) is None:
+    if getattr(trainer, "reference_model", None) is None:
+        return None
+    mode, why = resolve_reference_scoring(cfg, str(trainer.device))
+    if cfg.trainer.reference_scoring == "auto":
+        log.info("%s", why)
+    if mode == "update":
         return None
     scorer = ReferenceScorer(trainer.reference_model, trainer.scoring_spec(),
                              source=buffered,
@@ -430,6 +435,8 @@ class LoopResult:
         wall_s: Seconds of the loop (this process segment).
         trainer_busy_s: Trainer-side busy seconds (warm-up, updates, publishes).
         engine_busy_s: Engine busy seconds over the same window (<= wall_s).
+        cpu_busy: The share of the machine's cores the process kept busy over the same window
+            (:meth:`~conveyor.runtime.record.RunClock.cpu_busy`; 0..1).
         interrupted: It stopped after a step before ``trainer.total_steps``: a Ctrl-C / SIGTERM
             or a monitor rule's ``stop`` action (:attr:`stop_reason` says which).
         error: The exception that ended it (re-raised by the caller after the final checkpoint
@@ -452,6 +459,7 @@ class LoopResult:
     engine_stats: dict = field(default_factory=dict)
     eta: int | None = None
     stop_reason: str | None = None
+    cpu_busy: float | None = None
 
 
 def _health(controller):
@@ -601,6 +609,7 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
     finally:
         wall = clock.wall()
         eng_end = engine.stats()  # read with `wall`: busy seconds and wall-clock cover one window
+        cpu_busy = clock.cpu_busy(wall)
         # a monitor rule's stop action sets the same event as a first Ctrl-C, and ends the same way
         # (a stop after the last update stops nothing: the run finished)
         interrupted = ctx.interrupts.requested or (stop.is_set() and trainer.version < total)
@@ -618,4 +627,4 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
     engine_busy = min(wall, clock.engine_busy_since_start(eng_end))
     prox_s, train_s = recorder.mean_seconds()
     return LoopResult(wall, clock.trainer_busy, engine_busy, interrupted, error, prox_s, train_s, eng_end,
-                      eta=steering.eta, stop_reason=stop_reason)
+                      eta=steering.eta, stop_reason=stop_reason, cpu_busy=cpu_busy)
