@@ -481,13 +481,14 @@ class TrainerConfig(_Strict):
     num_threads: int | None = Field(default=None, ge=1, description="trainer intra-op threads (default: auto, see run.threads)")
     separate_proximal_pass: bool = Field(default=False, description="always compute pi_prox in its own forward pass (with minibatches=1 the gradient pass's detached log-probs are identical and are reused)")
     reference_scoring: Literal["update", "idle_engine", "background", "auto"] = Field(
-        default="update", description="where the KL reference's log-probs (loss.kl_coef > 0) are computed: in the update's "
+        default="auto", description="where the KL reference's log-probs (loss.kl_coef > 0) are computed: in the update's "
                                       "score phase; idle_engine: a thread scores buffered trajectories while the local engine "
                                       "has nothing to run, on its cores; background: the same thread at the lowest scheduling "
                                       "priority without that gate, on whatever CPU time no other thread wants "
                                       "(conveyor.trainer.reference; the update computes whatever was not scored; inline "
                                       "runtime, one engine, no LoRA, one process); auto: background where it can run "
-                                      "and the trainer is on the CPU, update elsewhere (the run's log says which)")
+                                      "and the trainer is on the CPU, update elsewhere (the run's log says which; the default since "
+                                      "2026-12-07: docs/results/main_job.md section 18)")
     elastic_threads: bool = Field(
         default=False, description="inline runtime: while the local engine has nothing to run during an update (it waits "
                                    "for the next version's capacity), the trainer computes with its own threads plus the "
