@@ -5,8 +5,8 @@
 # rollout.elastic_threads=true (the engine borrows the trainer's threads while it waits for a
 # batch), arm "ref" adds trainer.reference_scoring=background to "on"; arms "bf16" / "bf16_on" are
 # "off" / "on" with the engine following the bf16 trainer (rollout.engine_dtype=auto: a faster
-# engine that idles more, section 12). One run at a time, each
-# under /usr/bin/time -v (peak resident memory in console.log); run directories
+# engine that idles more, section 12). One run at a time, each by scripts/main_job_at.sh (under
+# /usr/bin/time -v: peak resident memory in console.log); run directories
 # $OUT/amd_elastic_<arm>_s<seed> (finished ones skipped), no checkpoints. CONVEYOR_SRC= pins the
 # code (a worktree), as in sao_experiments.sh. Compare:
 #   python scripts/main_job_costs.py docs/results/runs/main_job/amd_elastic_*
@@ -17,28 +17,19 @@ SEEDS=${1:-"0 1"}
 ARMS=${2:-"off on"}
 OUT=${OUT:-docs/results/runs/main_job}
 mkdir -p "$OUT"
+# the KL reference in the update, as when section 14 was measured (the default is auto since section 18)
+upd="trainer.reference_scoring=update"
 for seed in $SEEDS; do
   for arm in $ARMS; do
     case $arm in
-      off) opts="trainer.elastic_threads=false" ;;
-      on) opts="trainer.elastic_threads=true" ;;
-      both) opts="trainer.elastic_threads=true rollout.elastic_threads=true" ;;
+      off) opts="trainer.elastic_threads=false $upd" ;;
+      on) opts="trainer.elastic_threads=true $upd" ;;
+      both) opts="trainer.elastic_threads=true rollout.elastic_threads=true $upd" ;;
       ref) opts="trainer.elastic_threads=true trainer.reference_scoring=background" ;;
-      bf16) opts="trainer.elastic_threads=false rollout.engine_dtype=auto" ;;
-      bf16_on) opts="trainer.elastic_threads=true rollout.engine_dtype=auto" ;;
+      bf16) opts="trainer.elastic_threads=false rollout.engine_dtype=auto $upd" ;;
+      bf16_on) opts="trainer.elastic_threads=true rollout.engine_dtype=auto $upd" ;;
       *) echo "unknown arm $arm" >&2; exit 2 ;;
     esac
-    dir="$OUT/amd_elastic_${arm}_s${seed}"
-    [ -f "$dir/summary.json" ] && { echo "skip $dir (done)"; continue; }
-    rm -rf "$dir"
-    git -C "${CONVEYOR_SRC:-.}" rev-parse HEAD > "$dir.commit"
-    echo "== $arm seed $seed -> $dir ($(date -u +%H:%M:%S))"
-    PYTHONPATH=${CONVEYOR_SRC:+$CONVEYOR_SRC/src}${PYTHONPATH:+:$PYTHONPATH} /usr/bin/time -v .venv/bin/conveyor train $opts \
-      run.seed=$seed data.shuffle_seed=$seed run.eval_before=false run.eval_after=false run.export=false \
-      run.final_checkpoint=none run.checkpoint_every=1000 run.progress=false run.dir="$dir" > "$dir.log" 2>&1 \
-      || echo "FAILED $arm seed $seed (see $dir.log)"
-    rm -rf "$dir/checkpoints" "$dir/run.lock"
-    mv "$dir.log" "$dir/console.log" 2>/dev/null || true
-    mv "$dir.commit" "$dir/conveyor_commit.txt" 2>/dev/null || true
+    OUT=$OUT bash scripts/main_job_at.sh "${CONVEYOR_SRC:-$PWD}" "elastic_$arm" "$seed" $opts
   done
 done

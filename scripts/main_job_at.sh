@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The default main job (30 updates, no evaluations, as scripts/elastic_trainer_experiments.sh) with
-# conveyor imported from commit REV (a detached worktree in /tmp/conveyor-REV), into
+# The default main job (30 updates, no evaluations) with conveyor imported from commit REV (a
+# detached worktree in /tmp/conveyor-REV; REV may also be a checkout's directory, used as it is), into
 # docs/results/runs/main_job/amd_NAME_sSEED, with /usr/bin/time -v (peak memory). Extra
 # arguments are config overrides. EVAL_AFTER=true adds the held-out evaluation after training (the
 # one before is the base model's, 0.218 in every run, and stays off). One run at a time; for
@@ -12,8 +12,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REV=$1; NAME=$2; SEED=${3:-0}; shift 3 || shift $#
 OUT=${OUT:-docs/results/runs/main_job}
-src=/tmp/conveyor-$REV
-[ -d "$src" ] || git worktree add --detach "$src" "$REV" >/dev/null
+if [ -d "$REV" ]; then src=$REV; else
+  src=/tmp/conveyor-$REV
+  [ -d "$src" ] || git worktree add --detach "$src" "$REV" >/dev/null
+fi
 dir="$OUT/amd_${NAME}_s${SEED}"
 [ -f "$dir/summary.json" ] && { echo "skip $dir (done)"; exit 0; }
 rm -rf "$dir"
