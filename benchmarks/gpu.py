@@ -779,7 +779,7 @@ def summary(b: Bench) -> dict:
     pk = s.get("peak", {})
     for k in ("bf16", "fp32_tf32_off", "fp32_tf32_on"):
         if isinstance(pk.get(k), dict) and "tflops_median" in pk[k]:
-            out[f"peak_{k}_tflops"] = round(pk[k]["tflops_median"], 2)
+            out[f"peak_{k}_tflops"] = float(f"{pk[k]['tflops_median']:.3g}")  # 3 significant digits: a CPU's bf16 is ~0.005
     eng = {}
     for ref, row in s.get("engine", {}).items():
         if isinstance(row, dict) and not ref.startswith("_"):
