@@ -66,7 +66,9 @@ class RunClock:
         """The share of the machine's cores this process kept busy since the segment started:
         the CPU seconds of all its threads (``time.process_time``: user + system, every thread of
         the engine, the trainer, the reference scorer, ...; not child processes such as reward
-        workers) over ``wall_s x cores``. 1.0: every core busy all the time. Unlike
+        workers, nor Ray actors: with ``runtime.name=ray`` it is the driver's share) over
+        ``wall_s x cores`` (cores this process may run on; a CPU quota of a container is not
+        read). 1.0: every core busy all the time. Unlike
         ``busy/trainer`` / ``busy/engine`` it counts a core by what ran on it, not by which
         component owns it (a trainer that borrows the idle engine's core keeps that core busy)."""
         wall_s = max(self.wall() if wall_s is None else wall_s, 1e-9)
