@@ -41,12 +41,12 @@ def test_table_row_reports_wall_clock_accuracy_busy_drops_staleness_and_tokens_p
     # a run from before the share metric: dropped over accepted trajectories (20 groups of 8)
     old = mod.table_row(_run(tmp_path, "b", {"rollout/dropped_stale": 16.0, "rollout/episodes_accepted": 20}), "b")
     assert "| 10.0% (16) |" in old
-    # the cores' busy share where the run measured it (busy/cpu)
-    # a one-process run whose summary predates the key: its last row's busy/cpu covers the loop
-    assert "| 0.50 / 0.88 / 0.61 |" in mod.table_row(
-        _run(tmp_path, "d", {"rollout/dropped_stale_share": 0.0, "busy/cpu": 0.61}), "d")
+    # the cores' busy share: summary.json's cpu_busy where the run wrote it; for a one-process run
+    # whose summary predates the key, its last row's busy/cpu (it covers the loop)
     assert "| 0.50 / 0.88 / 0.93 |" in mod.table_row(
         _run(tmp_path, "c", {"rollout/dropped_stale_share": 0.0}, cpu_busy=0.925), "c")
+    assert "| 0.50 / 0.88 / 0.61 |" in mod.table_row(
+        _run(tmp_path, "d", {"rollout/dropped_stale_share": 0.0, "busy/cpu": 0.61}), "d")
     assert mod.TABLE_HEADER.count("\n") == 1 and mod.TABLE_HEADER.split("\n")[0].count("|") == row.count("|")
 
 
