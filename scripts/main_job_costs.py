@@ -42,8 +42,9 @@ def costs(run: Path) -> str:
     peak = f"{int(m.group(1)) / 1e6:.1f} GB" if m else "-"
     decode = (e["busy_seconds"] - e["prefill_seconds"]) / max(1, e["decode_steps"])
     borrowed = sum(r.get("time/borrowed_threads_s", 0.0) for r in rows)
-    # busy/cpu (the share of the cores the process kept busy, since 221f6a7): the last row's covers the segment
-    cpu = f"{last['busy/cpu']:.2f}" if "busy/cpu" in last else "-"
+    # the cores' busy share: summary.json's cpu_busy, else (a run from 221f6a7, one process) the last row's busy/cpu
+    cpu = s.get("cpu_busy", last.get("busy/cpu"))
+    cpu = "-" if cpu is None else f"{cpu:.2f}"
     return (f"{run.name}: loop {s['wall_seconds']:.0f} s | trained tokens {tokens:.0f} | trainer s per 1k tokens "
             f"{1000 * train_s / tokens:.2f} | reference {ref_s:.0f} s ({ref_s / len(rows):.2f} per update), precomputed "
             f"{pre:.2f} | scorer busy {last.get('reference/scorer_busy_s', 0.0):.0f} s "

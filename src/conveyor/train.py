@@ -423,11 +423,12 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
     run_dir = start.run_dir
     ctx.trainer, ctx.start_version = trainer, trainer.version
     logger = _open_logs(cfg, run_dir, start, job, console, ctx)
+    if cfg.trainer.reference_scoring == "auto" and cfg.loss.kl_coef > 0:  # which mode auto chose, and why
+        # (on Ray the runtime alone rules the scorer out; the trainer may be an actor's proxy there)
+        log.info("%s", resolve_reference_scoring(cfg, "cpu" if cfg.runtime.name == "ray" else str(trainer.device))[1])
     if cfg.runtime.name == "ray":  # the rollout side in a Ray actor, the same ports (runtime/ray.py)
         from conveyor.runtime.ray import build_ray_rollout
 
-        if cfg.trainer.reference_scoring == "auto" and cfg.loss.kl_coef > 0:  # (inline: runtime/inline.py logs it)
-            log.info("%s", resolve_reference_scoring(cfg, "cpu")[1])  # update: runtime.name=ray is a blocker
         parts = build_ray_rollout(cfg, trainer, job.train_samples, engine_threads=job.engine_threads,
                                   logger=logger, ctx=ctx, n_too_long=job.n_too_long, state=job.state)
     else:

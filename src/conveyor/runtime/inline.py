@@ -371,9 +371,7 @@ def reference_scorer(cfg: TrainConfig, trainer: Trainer, engine, buffered: Calla
     with the run); None otherwise or without a KL reference (``loss.kl_coef=0``)."""
     if getattr(trainer, "reference_model", None) is None:
         return None
-    mode, why = resolve_reference_scoring(cfg, str(trainer.device))
-    if cfg.trainer.reference_scoring == "auto":
-        log.info("%s", why)
+    mode, _ = resolve_reference_scoring(cfg, str(trainer.device))  # (train.py logs auto's choice)
     if mode == "update":
         return None
     scorer = ReferenceScorer(trainer.reference_model, trainer.scoring_spec(),
