@@ -303,6 +303,49 @@ def test_right_answer_in_any_format_is_right(kind: str, response: str, gold: str
     assert not is_correct(response, wrong), (kind, grade(response, wrong))
 
 
+# --------------------------------------------------------------------------- equations
+
+_EQ_OPERANDS = [(7, 100), (12, 5), (28, 35), (6, 4), (120, 8), (3, 14)]
+_EQ_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
+           "\\times": lambda a, b: a * b, "×": lambda a, b: a * b,
+           "/": lambda a, b: Fraction(a, b)}  # fmt: skip
+_EQ_FORMS = [
+    "Answer: {e} = {v}",
+    "**Answer:** {e} = {v}",
+    "The answer is {e} = {v} apples.",
+    "Answer: ${e} = {v}$",
+    "Answer: The total is {e} = {v} cm",
+    "\\boxed{{{e} = {v}}}",
+    "#### {e} = {v}",
+    "So we compute {e} = {v}.",  # no mark: the last-number fallback keeps the equation whole
+]
+EQUATION_CASES: list[tuple[str, str, str]] = []  # (response, value written, true value)
+for (_a, _b), (_op, _fn), _form in product(_EQ_OPERANDS, _EQ_OPS.items(), _EQ_FORMS):
+    _value = _fn(_a, _b)
+    if _value.denominator != 1 and _num(_value) == f"{_value.numerator}/{_value.denominator}":
+        continue  # a repeating decimal: written rounded, see the rule cases
+    for _written in (_value, _value + 1):
+        EQUATION_CASES.append(
+            (_form.format(e=f"{_a} {_op} {_b}", v=_num(_written)), _num(_written), _num(_value))
+        )
+
+
+@pytest.mark.parametrize(("response", "written", "value"), EQUATION_CASES)
+def test_an_equation_is_graded_by_its_value_and_a_false_one_is_wrong(
+    response: str, written: str, value: str
+) -> None:
+    """Issue 44, section 3: ``expr = value`` is right for the value when expr evaluates to it; a
+    false equation (``5 * 8 = 41``) is wrong for the value written and for the true value."""
+    if written == value:
+        verdict = grade(response, value)
+        assert (verdict.correct, verdict.reason) == (True, "correct"), (response, verdict)
+        assert not is_correct(response, _other(value)), response
+    else:
+        for reference in (written, value):
+            verdict = grade(response, reference)
+            assert (verdict.correct, verdict.reason) == (False, "false_equation"), verdict
+
+
 # --------------------------------------------------------------------------- decided rules
 
 RULE_CASES: list[tuple[str, str, bool, str]] = [
@@ -340,8 +383,36 @@ RULE_CASES: list[tuple[str, str, bool, str]] = [
     ("Answer: 2e", "2", False, "wrong"),  # 2e is 2 times Euler's number, not an exponent
     # an operation left for the reader is not a value; an evaluated one is
     ("Answer: 91 + 88", "179", False, "unevaluated"),
-    ("Answer: 28 + 35 = 63", "63", False, "unevaluated"),
+    ("Answer: 28 + 35 = 64", "64", False, "false_equation"),
     ("So 91 + 88 = 179", "179", True, "correct"),
+    # an equation "expr = value" in the answer span (issue 44, section 3): graded by its value
+    # when expr evaluates to it, wrong whatever the reference when it does not
+    ("Answer: 7 * 100 = 700", "700", True, "correct"),
+    ("Answer: 7 * 100 = 700", "7", False, "wrong"),
+    ("The answer is 12 - 5 = 7 apples.", "7", True, "correct"),
+    ("7 * 100 = 700 centimeters.", "700", True, "correct"),
+    ("Answer: 28 + 35 = 63", "63", True, "correct"),
+    ("Answer: $7 \\times 100 = 700$ cm", "700", True, "correct"),
+    ("Answer: The total is (3 + 4) * 2 = 14", "14", True, "correct"),
+    ("Answer: total = 3 + 4 = 7", "7", True, "correct"),
+    ("Answer: \\frac{6}{4} + 1 = 2.5", "2.5", True, "correct"),
+    ("Answer: 2^10 = 1024", "1024", True, "correct"),
+    ("Answer: 10 / 3 = 3.33", "3.33", True, "correct"),  # rounded to the places written
+    ("Answer: 5 * 8 = 41", "41", False, "false_equation"),
+    ("Answer: 5 * 8 = 41", "40", False, "false_equation"),
+    ("5 * 8 = 41", "41", False, "false_equation"),  # the last-number fallback keeps it whole
+    ("The goldfish that left is 6 - 8 = 2 goldfish.", "2", False, "false_equation"),
+    ("Maria has 3 times 7 = 21 eggs.", "21", True, "correct"),  # only "7 = 21" is arithmetic
+    ("There are 2 boxes. 2 x 3 = 6 eggs.", "6", True, "correct"),
+    ("Step 3 4 + 5 = 9", "9", True, "correct"),  # "3 4 + 5" is not an expression
+    ("Answer: 2 + 2 = 4 = 5", "5", False, "false_equation"),
+    ("Answer: 12 = 13", "13", False, "false_equation"),
+    ("Answer: 7 / 2 = 3", "3", False, "false_equation"),  # no decimals: no rounding
+    ("Answer: 5 * 8 = 41\n\\boxed{41}", "41", False, "false_equation"),
+    ("Answer: 3 + 4 = 7 or 8", "7", False, "hedge"),
+    ("Answer: 3 + 4 = 7\n\\boxed{8}", "7", False, "hedge"),
+    ("Answer: 700 = 7 * 100", "700", False, "unevaluated"),  # the value must come last
+    ("Answer: 2 + 2 = 5", "x", False, "false_equation"),  # a reference that is not a number
     ("Answer: \\sqrt{144}", "12", True, "correct"),
     ("Answer: 2\\sqrt{2}", "2", False, "wrong"),
     # math-verify must return one number: no free symbols, sets, intervals or relations
@@ -389,6 +460,7 @@ def test_tables_are_large_enough() -> None:
     assert len(HEDGE_CASES) >= 150
     assert len(SCI_CASES) >= 150
     assert len(FORMAT_CASES) >= 150
+    assert len(EQUATION_CASES) >= 400
     kinds = {k for k, _, _ in FORMAT_CASES}
     assert kinds == {"mixed number", "vulgar fraction", "non-ASCII digits",
                      "thousands separator", "unit with exponent"}  # fmt: skip
@@ -523,6 +595,8 @@ def _compare(module_path: str) -> None:  # pragma: no cover - a measuring script
         count(kind, [(r, [(g, True), (_other(_num(Fraction(g.replace("\\frac{7}{4}", "7/4")))),
                                       False)])
                      for k, r, g in FORMAT_CASES if k == kind])  # fmt: skip
+    count("equation", [(r, [(w, w == v), (v, w == v)] + ([(_other(v), False)] if w == v else []))
+                       for r, w, v in EQUATION_CASES])  # fmt: skip
     count("decided rules", [(r, [(g, c)]) for r, g, c, _ in RULE_CASES])
     print(f"{'kind':24} {'cases':>6} {'given wrong':>12} {'current wrong':>14}")
     for name, n, old, new in rows:

@@ -47,10 +47,27 @@ single number, an answer is read as numbers and text (:func:`read_answer`):
   ``;``, ``...``, ``–``, ``\\approx``, ..., or a hyphen right between two numbers: the range
   ``12-13``);
 * anything else with arithmetic or LaTeX commands is an expression: an operation on plain
-  numbers left for the reader (``"91 + 88"``, ``"28 + 35 = 63"``, ``"4 \\times 5"``) is wrong
+  numbers left for the reader (``"91 + 88"``, ``"700 = 7 * 100"``, ``"4 \\times 5"``) is wrong
   (:func:`is_unevaluated_expression`), others (``"\\sqrt{144}"``, ``"2\\sqrt{2}"``) go to
   math-verify, and must parse to a single number without free symbols (not a set, interval,
   relation or ``12 + 0x``).
+
+**Equations** (issue 44, section 3; :func:`_read_equation`). An answer of the form
+``expr = value`` (``"Answer: 7 * 100 = 700"``, ``"The answer is 12 - 5 = 7 apples."``) is graded
+by its value when ``expr`` evaluates to it: the last side of the ``=`` is the value (one number,
+words and units around it allowed), every other side a purely numeric arithmetic expression
+(``+ - * / ^``, ``\\times``, ``\\cdot``, ``\\div``, ``\\frac``, parentheses; evaluated exactly,
+never with ``eval``); the first side may follow words without digits (``"The total is 3 * 4 =
+12"``) and a first side of words only is a label (``"total = 3 + 4 = 7"``). A value written with
+decimals may be the expression rounded to them (``10 / 3 = 3.33``); otherwise the sides must be
+equal. A false equation (``"5 * 8 = 41"``, ``"2 + 2 = 4 = 5"``, ``"12 = 13"``) is wrong whatever
+the reference (reason ``"false_equation"``), also next to a right mark. Several different final
+values stay a hedge (``"3 + 4 = 7 or 8"``; ``"Answer: 3 + 4 = 7"`` with ``\\boxed{8}``). Answers
+that are not of this form (``"x = 12"``, ``"x + 3 = 7"``, ``"700 = 7 * 100"``, ``"3 times 7 =
+21"``) are read as before. In the last-number fallback, ``expr =`` right before the last number on
+its line is kept with it (``"5 * 8 = 41"`` is a false equation, ``"So 91 + 88 = 179"`` is 179)
+when ``expr`` has an operator and does not follow an operator word (``x``, ``times``, ``by``,
+``of``, ...: ``"3 x 7 = 21"`` is read as 21).
 
 When the reference is not a single number (``"\\frac{1}{\\sqrt{2}}"``, ``"(x+1)^2"``, a word),
 the answer is compared by math-verify after :func:`normalize_answer`; ``or`` / ``either`` /
@@ -104,6 +121,7 @@ is linear-time regular expressions on at most the response's length.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import logging
@@ -182,7 +200,8 @@ class Verdict:
         correct: Whether the response is graded correct.
         reason: ``"correct"``, ``"wrong"`` (a single answer that differs), ``"hedge"`` (several
             different values, in one mark or across marks), ``"unevaluated"`` (an operation on
-            numbers left for the reader), ``"no_answer"`` (nothing to grade), ``"too_long"``
+            numbers left for the reader), ``"false_equation"`` (an ``expr = value`` whose sides
+            differ: ``5 * 8 = 41``), ``"no_answer"`` (nothing to grade), ``"too_long"``
             (an answer over :data:`MAX_ANSWER_CHARS` that is not an exact string match) or
             ``"error"`` (math-verify failed; logged at debug level).
         answers: The raw text of the marks that were graded.
@@ -698,7 +717,182 @@ def read_answer(answer: str) -> AnswerReading:
     """
     if not isinstance(answer, str):
         raise TypeError(f"answer must be a str, got {type(answer).__name__}")
-    return _read_clean(_latex_clean(_strip_wrappers(_unicode_normalize(answer))))
+    return _read_clean(_clean_answer(answer))
+
+
+def _clean_answer(answer: str) -> str:
+    """An answer through every normalisation step of the module docstring."""
+    return _latex_clean(_strip_wrappers(_unicode_normalize(answer)))
+
+
+# --------------------------------------------------------------------------- equations
+
+MAX_EQUATION_CHARS = 300
+"""Answers longer than this (characters, normalised) are never read as equations."""
+
+_ARITH_SYMBOLS = (("\\times", "*"), ("\\cdot", "*"), ("×", "*"), ("·", "*"), ("\\div", "/"),
+                  ("÷", "/"))  # fmt: skip
+_ARITH_CHARS = frozenset("0123456789 \t.+-*/()^{}")
+_EXPR_FRAC_RE = re.compile(r"\\frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
+_EXPR_NUMBER_RE = re.compile(r"\d+(?:\.\d+)?|\.\d+")
+_EXPR_LEFTOVER_RE = re.compile(r"[^\s_\d+\-*/()]")
+_NOT_EQUATION_RE = re.compile(r"[<>!=]=|=[=<>]|\\[a-zA-Z]*eq\b")
+_LABEL_RE = re.compile(r"[A-Za-z_ \t]+")
+_MAX_POWER = 64
+_MAX_BITS = 4096
+
+
+class _NotArithmetic(Exception):
+    """An expression :func:`_eval_arithmetic` does not evaluate."""
+
+
+def _arith_symbols(s: str) -> str:
+    """``\\times \\cdot × ·`` -> ``*``, ``\\div ÷`` -> ``/`` and ``\\frac{a}{b}`` -> ``((a)/(b))``."""
+    for symbol, op in _ARITH_SYMBOLS:
+        s = s.replace(symbol, op)
+    for _ in range(3):  # nested \frac
+        new = _EXPR_FRAC_RE.sub(r"((\1)/(\2))", s)
+        if new == s:
+            break
+        s = new
+    return s
+
+
+def _eval_node(node: ast.AST, values: list[Fraction]) -> Fraction:
+    """Exact value of a parsed arithmetic expression (``+ - * / ^``, parentheses, numbers)."""
+    if isinstance(node, ast.Name) and node.id[1:].isdigit():
+        return values[int(node.id[1:])]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.UAdd | ast.USub):
+        value = _eval_node(node.operand, values)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp):
+        left, right = _eval_node(node.left, values), _eval_node(node.right, values)
+        if isinstance(node.op, ast.Add):
+            return left + right
+        if isinstance(node.op, ast.Sub):
+            return left - right
+        if isinstance(node.op, ast.Mult):
+            return left * right
+        if isinstance(node.op, ast.Div) and right != 0:
+            return left / right
+        if (
+            isinstance(node.op, ast.Pow)
+            and right.denominator == 1
+            and abs(right) <= _MAX_POWER
+            and not (left == 0 and right < 0)
+            and max(abs(left.numerator), left.denominator).bit_length() * abs(right) <= _MAX_BITS
+        ):
+            return left ** int(right)
+    raise _NotArithmetic(ast.dump(node))
+
+
+def _eval_arithmetic(expr: str) -> Fraction | None:
+    """The exact value of a purely numeric arithmetic expression (``"7 * 100"``, ``"12 - 5"``,
+    ``"(3 + 4) \\times 2"``, ``"\\frac{6}{4} + 1"``, ``"2^3"``), or None when ``expr`` is
+    anything else (letters, a function, two numbers side by side, a division by zero, a huge
+    power). ``expr`` is normalised text (:func:`_latex_clean`). Never calls ``eval``."""
+    s = _arith_symbols(expr).replace("{", "(").replace("}", ")").replace("^", "**")
+    values: list[Fraction] = []
+
+    def placeholder(m: re.Match[str]) -> str:
+        values.append(Fraction(m.group(0)))
+        return f" _{len(values) - 1} "
+
+    s = _EXPR_NUMBER_RE.sub(placeholder, s)
+    if not values or _EXPR_LEFTOVER_RE.search(s):
+        return None
+    try:
+        return _eval_node(ast.parse(s.strip(), mode="eval").body, values)
+    except (SyntaxError, _NotArithmetic, ZeroDivisionError, OverflowError, RecursionError):
+        return None
+
+
+def _arithmetic_tail(side: str) -> str | None:
+    """The arithmetic expression at the end of the first side of an equation, after words
+    without digits (``"The total is 7 * 100"`` -> ``"7 * 100"``); None when there is none or the
+    words hold a digit or touch the expression (``"x+3"``, ``"2x + 3"``)."""
+    s = _arith_symbols(side)
+    i = len(s)
+    while i > 0 and s[i - 1] in _ARITH_CHARS:
+        i -= 1
+    head, expr = s[:i], s[i:].strip()
+    if not expr or expr[0] not in "0123456789(.-" or any(c.isdigit() for c in head):
+        return None
+    if head and not s[i].isspace():
+        return None  # a letter glued to the expression: "x+3", "2x"
+    return expr
+
+
+@dataclass(frozen=True)
+class _Equation:
+    """An answer of the form ``expr = value`` (:func:`_read_equation`)."""
+
+    holds: bool
+    value_text: str
+    reading: AnswerReading
+
+
+def _rounding_tolerance(value_text: str) -> Fraction:
+    """Half a unit of the last decimal place the value is written with (``"3.33"`` -> 0.005), 0
+    for a value without decimals: ``10 / 3 = 3.33`` holds, ``7 / 2 = 3`` does not."""
+    m = _LITERAL_RE.search(value_text)
+    if m is None or m.group("num") is None or "." not in m.group("num") or m.group("den"):
+        return Fraction(0)
+    places = len(m.group("num").split(".", 1)[1])
+    return Fraction(1, 2 * 10**places)
+
+
+def _read_equation(clean: str) -> _Equation | None:
+    """Read a normalised answer as an equation ``expr = value`` (grading policy, *Equations*).
+
+    The text is split at ``=``; the last side is the value (one number, with words or units
+    around it: ``"7 apples"``), every other side an arithmetic expression (the first may follow
+    words without digits, and a first side of words only is a label: ``"total = 3 + 4 = 7"``).
+    Returns None when the answer is not such an equation (no ``=``, ``<=`` / ``==`` / ``\\neq``,
+    a side that is not arithmetic, a value that is not one number); otherwise whether every side
+    evaluates to the value (a value written with decimals may be rounded to them)."""
+    if "=" not in clean or len(clean) > MAX_EQUATION_CHARS or _NOT_EQUATION_RE.search(clean):
+        return None
+    *sides, value_text = (part.strip() for part in clean.split("="))
+    if len(sides) > 1 and _LABEL_RE.fullmatch(sides[0]):
+        sides = sides[1:]  # "total = 3 + 4 = 7"
+    if not value_text or not all(sides):
+        return None
+    reading = _read_clean(value_text)
+    if reading.kind != "number" or reading.percent:
+        return None
+    first = _arithmetic_tail(sides[0])
+    if first is None:
+        return None
+    values = [_eval_arithmetic(expr) for expr in [first, *sides[1:]]]
+    if any(v is None for v in values):
+        return None
+    tolerance = _rounding_tolerance(value_text)
+    holds = all(abs(v - reading.values[0]) <= tolerance for v in values)  # type: ignore[operator]
+    return _Equation(holds, value_text, reading)
+
+
+_HEAD_OPERATOR_RE = re.compile(r"[+*/^]|[\d)]\s*-")
+_OPERATOR_WORD_RE = re.compile(
+    r"\b(?:x|X|times|plus|minus|by|of|over|divided|multiplied|squared|cubed)\W*$"
+)
+
+
+def _equation_head(line: str) -> str | None:
+    """The ``expr =`` (or ``expr = expr =``) that ends ``line`` (the text before the last-number
+    run on its line), or None: the last-number fallback keeps an equation whole."""
+    s = _arith_symbols(line)
+    i = len(s.rstrip())
+    if not s[:i].endswith("="):
+        return None
+    while i > 0 and (s[i - 1] in _ARITH_CHARS or s[i - 1] == "="):
+        i -= 1
+    head = s[i:].lstrip()
+    if not head or head[0] not in "0123456789(.-" or (i > 0 and not s[i].isspace()):
+        return None
+    if _HEAD_OPERATOR_RE.search(head) is None or _OPERATOR_WORD_RE.search(s[max(0, i - 40) : i]):
+        return None  # "7 = 21" of "3 times 7 = 21", "3 x 7 = 21": only part of the equation
+    return head
 
 
 _RUN_GAP_RE = re.compile(
@@ -726,7 +920,11 @@ def _last_number_run(text: str) -> str | None:
         if not joined:
             break
         first -= 1
-    return clean[literals[first].start() : literals[-1].end()].strip()
+    start, end = literals[first].start(), literals[-1].end()
+    head = _equation_head(clean[clean.rfind("\n", 0, start) + 1 : start])
+    if head is not None and _read_equation(head + clean[start:end]) is not None:
+        return (head + clean[start:end]).strip()  # "5 * 8 = 41": graded as an equation
+    return clean[start:end].strip()
 
 
 # --------------------------------------------------------------------------- comparison
@@ -849,6 +1047,11 @@ def _general_match(predicted: str, reference: str, timeout: int | None) -> bool:
 
 def _grade_numeric(raw: str, gold: AnswerReading, timeout: int | None) -> str:
     """Reason (see :class:`Verdict`) for one answer against a numeric reference."""
+    equation = _read_equation(_clean_answer(raw))
+    if equation is not None:
+        if not equation.holds:
+            return "false_equation"
+        return "correct" if _numbers_match(equation.reading, gold, timeout) else "wrong"
     reading = read_answer(raw)
     if reading.kind == "hedge":
         return "hedge"
@@ -870,6 +1073,11 @@ def _grade_numeric(raw: str, gold: AnswerReading, timeout: int | None) -> str:
 
 def _grade_general(raw: str, reference: str, timeout: int | None) -> str:
     """Reason (see :class:`Verdict`) for one answer against a non-numeric reference."""
+    equation = _read_equation(_clean_answer(raw))
+    if equation is not None:
+        if not equation.holds:
+            return "false_equation"
+        raw = equation.value_text
     if is_unevaluated_expression(_latex_clean(_unicode_normalize(raw))):
         return "unevaluated"
     if _HEDGE_WORDS_RE.search(normalize_answer(raw)) and not _HEDGE_WORDS_RE.search(
@@ -907,7 +1115,7 @@ def _grade_answers(answers: list[str], reference: str, timeout: int | None) -> V
     bad = [r for r in reasons if r != "correct"]
     if not bad:
         return Verdict(True, "correct", tuple(answers))
-    if len(answers) > 1 and "correct" in reasons:
+    if len(answers) > 1 and "correct" in reasons and "false_equation" not in bad:
         return Verdict(False, "hedge", tuple(answers))  # right once, wrong elsewhere
     return Verdict(False, bad[0], tuple(answers))
 
