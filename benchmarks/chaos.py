@@ -20,7 +20,9 @@ Runs on the ``tiny`` model and prints one table (also written as JSON with ``--j
 3. **Disk full while a checkpoint is written** (an injected ``ENOSPC`` in the checkpoint
    writer): a clear error, the previous checkpoint intact, and the resume works afterwards.
 4. **Reward faults** (``--reward-faults``): exceptions, timeouts, hangs, None, NaN, +-inf, huge
-   values, wrong types, through the reward service: 0 crashes, every one counted.
+   values, wrong types, through the reward service: 0 crashes, every one counted; a training
+   run whose every reward fails stops after ``reward.max_failed_steps`` steps with a checkpoint
+   and exit code 1.
 5. **Non-finite gradients** injected on chosen steps: each skipped and counted; after
    ``trainer.max_nonfinite_in_a_row`` in a row the run stops with a checkpoint and a clear error.
 
@@ -279,23 +281,34 @@ def reward_faults(n: int, workers: int = 4) -> dict:
             "problems": problems}
 
 
-def reward_faults_in_training(workdir: Path, steps: int) -> dict:
-    """Section 4 end to end: a training run whose every reward call is a fault."""
+def reward_faults_in_training(workdir: Path, steps: int, max_failed_steps: int = 3) -> dict:
+    """Section 4 end to end: a training run whose every reward call is a fault (the start-up
+    probe off: reward.check_at_start=false). Every failure is counted; after
+    ``reward.max_failed_steps`` steps in a row with every reward failed the run stops with a
+    checkpoint and exit code 1 (issue 44, section 2)."""
     run_dir = workdir / "reward_faults"
     args = COMMON + [f"trainer.total_steps={steps}", f"run.dir={run_dir}", "run.eval_before=false",
                      "run.eval_after=false", "reward.fn=conveyor.rewards.faults:chaos_reward",
-                     "reward.timeout_s=0.5", "reward.workers=2"]
+                     "reward.timeout_s=0.5", "reward.workers=2", "reward.check_at_start=false",
+                     f"reward.max_failed_steps={max_failed_steps}"]
     rc, out = _run(["train", *args])
     rows = _jsonl(run_dir / "metrics.jsonl")
     problems = []
-    if rc != 0:
+    stops = steps > max_failed_steps
+    if stops and (rc != 1 or "reward.max_failed_steps" not in out or "Traceback" in out):
+        problems.append(f"expected a clear reward.max_failed_steps error and exit code 1: rc {rc}: {out[-600:]}")
+    if not stops and rc != 0:
         problems.append(f"exit code {rc}: {out[-600:]}")
+    if stops and len(rows) != max_failed_steps:
+        problems.append(f"{len(rows)} steps logged, expected the run to stop after {max_failed_steps}")
+    if stops and not any((run_dir / "checkpoints").glob("step_*")):
+        problems.append("no checkpoint written before stopping")
     total = sum(len(g["lengths"]) for r in _jsonl(run_dir / "trained.jsonl") for g in r["groups"])
     failed_share = [r.get("rollout/reward_failed_share") for r in rows]
     if rows and any(s != 1.0 for s in failed_share):
         problems.append(f"reward_failed_share per step {failed_share}, expected 1.0 (every call a fault)")
     return {"name": f"training with every reward call a fault ({steps} steps)", "ok": not problems,
-            "detail": f"exit 0; {total} trained trajectories, all counted failed "
+            "detail": f"exit {rc} after {len(rows)} steps; {total} trained trajectories, all counted failed "
                       f"(rollout/reward_failures {rows[-1].get('rollout/reward_failures') if rows else None})",
             "problems": problems}
 

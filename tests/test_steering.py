@@ -160,6 +160,7 @@ def test_a_monitor_stop_ends_the_run_like_a_first_ctrl_c(tmp_path):
         "train", "model.name=tiny", "trainer.batch_size=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
         "run.progress=false", "reward.workers=1", "rollout.tool=none", "data.heldout_limit=2",
         "trainer.total_steps=4", "reward.fn=conveyor.rewards.faults:chaos_reward", "reward.timeout_s=1",
+        "reward.check_at_start=false",  # it fails on purpose, from the first call
         "monitor.actions.reward_failures=stop", f"run.dir={run}"])
     assert r.exit_code == 3, r.output  # not 0 (it did not finish), not 130 (no SIGINT)
     summary = json.loads((run / "summary.json").read_text())

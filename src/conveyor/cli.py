@@ -377,6 +377,7 @@ def train_cmd(
     from conveyor.config import ConfigError, load_config
     from conveyor.data import DatasetError
     from conveyor.models import ModelLoadError
+    from conveyor.rewards.guard import RewardsFailedError
     from conveyor.rollout.controller import EpisodesFailedError
     from conveyor.runlog import console_log_handler
     from conveyor.runtime.ray import RayConnectError, RolloutActorError  # (imports no Ray)
@@ -420,6 +421,9 @@ def train_cmd(
         raise
     except NonFiniteLossError as e:
         _fail(f"{e}\nThe last state was checkpointed; see events.jsonl in the run directory.", code=1)
+    except RewardsFailedError as e:  # reward.max_failed_steps: checkpointed first
+        _fail(f"{e}\nThe last state was checkpointed; see train.log and events.jsonl in the run directory.",
+              code=1)
     except RayConnectError as e:  # runtime.address unreachable, or a local cluster that cannot start
         _fail(str(e), code=1)
     except RolloutActorError as e:  # runtime.name=ray: the actor's message (its log: train.log)

@@ -264,6 +264,13 @@ class RewardConfig(_Strict):
     overlong_buffer: int = Field(default=16, ge=1, description="soft: tokens before the limit where the penalty "
                                                                "ramps from 0 to -overlong_penalty (DAPO L_cache)")
     overlong_penalty: float = Field(default=1.0, ge=0, description="soft: the penalty at the limit")
+    check_at_start: bool = Field(default=True, description="call a user's reward.fn once before the model loads, on "
+                                                           "a real sample with a well-formed response ('Answer: "
+                                                           "<its answer>'); a crash, timeout or non-number is "
+                                                           "refused (conveyor.rewards.guard)")
+    max_failed_steps: int | None = Field(default=3, ge=1, description="stop the run (checkpoint, exit code 1) after "
+                                                                      "this many training steps in a row whose every "
+                                                                      "reward failed; null: never")
 
 
 class LossConfig(_Strict):

@@ -41,6 +41,7 @@ from conveyor.eval import unknown_note
 from conveyor.hardware import resolve_bf16
 from conveyor.models import load_model, load_model_config, load_tokenizer
 from conveyor.rewards import check_reward_signature, load_reward_fn
+from conveyor.rewards.guard import probe_reward_fn
 from conveyor.rundir import (
     FIXED_FOR_HELDOUT,
     FIXED_ON_RESUME,
@@ -266,6 +267,8 @@ def _load_job(cfg: TrainConfig, start: _Start, console, ctx: RunContext) -> _Job
     check_reward_signature(load_reward_fn(cfg.reward.fn), cfg.reward.fn)
     reward_fn = cfg.reward.fn
     train_samples = load_dataset(cfg.data.train, split_seed=cfg.data.split_seed)
+    if cfg.reward.check_at_start and train_samples:  # a reward that always fails: refused before the model loads
+        probe_reward_fn(reward_fn, train_samples[0], timeout_s=cfg.reward.timeout_s, max_abs_score=cfg.reward.max_abs)
     heldout = load_dataset(cfg.data.heldout, split_seed=cfg.data.split_seed, limit=cfg.data.heldout_limit) if cfg.data.heldout else []
     trainer_actor = cfg.runtime.name == "ray" and cfg.runtime.trainer == "actor"
     if trainer_actor:  # the weights live in the trainer actor only (this process may lack the memory)

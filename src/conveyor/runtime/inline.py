@@ -32,6 +32,7 @@ from conveyor.data import DatasetError
 from conveyor.eval import evaluate, unknown_note
 from conveyor.faults import fault_point
 from conveyor.rewards import RewardService
+from conveyor.rewards.guard import FailedRewardSteps
 from conveyor.rewards.styles import service_metrics
 from conveyor.rollout.adaptive import AsyncRatioController
 from conveyor.rollout.buffer import TrajectoryBuffer
@@ -540,6 +541,7 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
     stop: threading.Event = ctx.interrupts.begin_graceful()  # first Ctrl-C: finish the step, checkpoint, stop
     health = _health(controller)
     steering = build_steering(cfg, trainer, controller, logger, console, stop, steering_state)
+    failed_rewards = FailedRewardSteps(cfg.reward.max_failed_steps, cfg.reward.fn)  # reward.max_failed_steps
     publisher.start(trainer)
     controller.start()
     clock = RunClock(engine.stats)
@@ -582,6 +584,7 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
                 recorder.step(trainer.version, metrics, out.batch, parts.rollout.take_not_trained(),
                               trainer.take_events())
                 steering.after_step(trainer.version, metrics, [float(t.reward) for t in out.batch])
+                failed_rewards.after_step(trainer.version, out.batch)  # raises: stopped with a checkpoint
                 fault_point("step_end")  # chaos suite: a kill between steps
                 if heldout and cfg.run.eval_every and trainer.version % cfg.run.eval_every == 0 and trainer.version < total:
                     # a held-out curve point (before the checkpoint: a kill here redoes the step and this)
