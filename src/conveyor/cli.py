@@ -96,6 +96,12 @@ _EVAL_HELP = {
             f"(default: {_EXPORT}: its rollout.tool; else none)",
     "max_tool_calls": "calculator observations per response at most "
                       f"(default: 4; {_EXPORT}: its rollout.max_tool_calls)",
+    "reward": "grade with this reward function (module:fn, or a built-in name: math, correctness, format, style): "
+              "reports reward_mean, and pass@1 = the share with reward >= --pass-threshold, or the function's own "
+              "correct metric (fn.correct) when it has one (default: a run's export graded by the run's reward.fn, "
+              "when not a built-in; else the built-in answer checker)",
+    "pass_threshold": "with --reward: the reward a response needs to pass (default 1.0; a run's export: its "
+                      "reward.pass_threshold)",
     "env": "run an environment's episodes instead of single responses: guess, math_python, "
            "package.module:factory or openai:package.module:fn (an openai-client agent) "
            f"(env.name; default: {_EXPORT}: its env; else none); reports turns, "
@@ -174,6 +180,40 @@ def _eval_settings(model: str, flags: dict) -> tuple[dict, str | None]:
     return out, (str(Path(model) / EXPORT_SETTINGS_FILE) if exp is not None else None)
 
 
+def _eval_reward(reward: str | None, threshold: float | None, exported: dict, env_cfg):
+    """``conveyor eval``'s reward grader: ``--reward`` (and ``--pass-threshold``), else the
+    export's ``reward.heldout_grader`` (the run graded its held-out figure with its own
+    ``reward.fn``) and its ``pass_threshold``; None: the built-in answer checker.
+    Prints which grader decides pass@1. Fails on a reward function that cannot be loaded, a
+    reward with an environment, and ``--pass-threshold`` without a reward."""
+    from rich.markup import escape
+
+    from conveyor.eval import reward_grader
+
+    exp = exported.get("reward") or {}
+    fn = reward if reward is not None else exp.get("heldout_grader")
+    if fn is None:
+        if threshold is not None:
+            _fail("--pass-threshold needs --reward (the built-in checker grades right or wrong)")
+        return None
+    if env_cfg is not None:
+        if reward is not None:
+            _fail(f"--reward {reward} with --env {env_cfg.name}: the environment's episodes report their own "
+                  "verdict and reward")
+        return None
+    if threshold is None:
+        threshold = exp.get("pass_threshold", 1.0) if reward is None or reward == exp.get("heldout_grader") else 1.0
+    try:
+        grader = reward_grader(fn, threshold)
+    except ValueError as e:
+        _fail(f"--reward {fn}: {e}" if reward is not None else
+              f"the export's reward.fn {fn} (the run's held-out grader; --reward overrides): {e}")
+    src = "" if reward is not None else " (the run's reward.fn, from the export's conveyor.json)"
+    console.print(f"grading with reward {escape(fn)}{escape(src)}: pass@1 counts {escape(grader.pass_definition)}",
+                  soft_wrap=True)
+    return grader
+
+
 @app.command("eval")
 def eval_cmd(
     model: Annotated[str, typer.Option(help="preset (smollm2-135m-instruct, tiny), HF directory, .gguf file, or a "
@@ -197,6 +237,8 @@ def eval_cmd(
     no_progress: Annotated[bool, typer.Option("--no-progress")] = False,
     tool: Annotated[str | None, typer.Option(help=_EVAL_HELP["tool"])] = None,
     max_tool_calls: Annotated[int | None, typer.Option(help=_EVAL_HELP["max_tool_calls"])] = None,
+    reward: Annotated[str | None, typer.Option(help=_EVAL_HELP["reward"])] = None,
+    pass_threshold: Annotated[float | None, typer.Option(help=_EVAL_HELP["pass_threshold"])] = None,
     env: Annotated[str | None, typer.Option(help=_EVAL_HELP["env"])] = None,
     max_turns: Annotated[int | None, typer.Option(help=_EVAL_HELP["max_turns"])] = None,
     max_episode_tokens: Annotated[int | None, typer.Option(help=_EVAL_HELP["max_episode_tokens"])] = None,
@@ -274,6 +316,7 @@ def eval_cmd(
                   else ("env.options.high", str(Path(model) / EXPORT_SETTINGS_FILE))))
         except ValueError as e:
             _fail(str(e))
+    grader = _eval_reward(reward, pass_threshold, exported, env_cfg)
     if env_cfg is not None and tool != "none":
         if tool_flag not in (None, "none"):
             _fail(f"--tool {tool} is the single-turn calculator; with --env {env_cfg.name} the environment brings "
@@ -292,6 +335,7 @@ def eval_cmd(
         _fail(f"--tool must be none or calculator, got {tool!r}")
     env_part = "" if env_cfg is None else f"__env_{_slug(env_cfg.name)}"
     init_part = "" if init == "pretrained" else f"__init_{_slug(init)}"  # never overwrites the model's own figure
+    init_part += "" if reward is None else f"__reward_{_slug(reward)}"  # nor the built-in checker's
     out = output or Path("runs") / "eval" / f"{_slug(model)}__{_slug(dataset)}{env_part}{init_part}.json"
     try:
         check_output_file(out, "--output")
@@ -345,6 +389,7 @@ def eval_cmd(
             max_new_tokens=max_new_tokens, instruction=instruction, dataset=dataset, model_name=model,
             progress=not no_progress and console.is_terminal, tool=tool,
             max_tool_calls=max_tool_calls, env=env_cfg, reward_service=reward_service,
+            **({} if grader is None else {"reward_fn": grader.reward_fn, "pass_threshold": grader.threshold}),
         )
     except ValueError as e:
         _fail(str(e))

@@ -271,6 +271,11 @@ class RewardConfig(_Strict):
     max_failed_steps: int | None = Field(default=3, ge=1, description="stop the run (checkpoint, exit code 1) after "
                                                                       "this many training steps in a row whose every "
                                                                       "reward failed; null: never")
+    pass_threshold: float = Field(default=1.0, description="held-out evaluation with a user's reward.fn (not a "
+                                                           "built-in): a response passes when its reward >= this, "
+                                                           "unless the function has its own correct metric (a "
+                                                           "'correct' attribute, fn.correct(response, sample) >= 1); "
+                                                           "conveyor eval --pass-threshold")
 
 
 class LossConfig(_Strict):

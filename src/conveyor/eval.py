@@ -12,6 +12,16 @@ figure (issue 10, section 5b: a run trained with the calculator tool scored 0.0 
 without it). ``--model RUN`` (the run directory itself, :func:`resolve_eval_model`) evaluates
 ``RUN/export`` the same way; a run without an export is refused, saying why it has none.
 
+Graders (issue 44, section 1). By default correctness is the built-in answer checker
+(:func:`conveyor.rewards.math.correctness_reward`). With a reward function (``conveyor eval
+--reward module:fn``; a run's held-out evaluation when its ``reward.fn`` is not a built-in) every
+response is scored by that function: ``reward_mean`` is the mean reward and a response *passes*
+when its reward is at least ``pass_threshold`` (default 1.0), or, when the function has its own
+``correct`` metric (an attribute ``fn.correct``, a function of ``(response, sample)``), when that
+metric is at least 1. ``pass_definition`` says which rule counted and ``graders`` names the grader
+of each figure. A run's export carries its ``reward`` section, so ``conveyor eval RUN`` grades with
+the run's reward by default.
+
 Every evaluation records the policy version it measured (``policy_version``: a run's held-out
 evaluations the version the runtime evaluated, ``conveyor eval`` of an export the
 ``policy_version`` of its ``conveyor.json``; None for other models and for files written before
@@ -134,8 +144,19 @@ class EvalResult:
             each a mean over the responses where it was computed, e.g. the preference-shift
             task's ``style_<name>`` (share judged in each style: :data:`conveyor.rewards.styles.
             STYLE_METRICS`); empty when the service computes none.
+        reward_fn: The reward function that scored every response (``--reward``, a run's
+            ``reward.fn``), or None (the built-in answer checker only).
+        pass_threshold: With ``reward_fn`` and no ``correct`` metric of its own: a response
+            passes when its reward is >= this; None otherwise.
+        pass_definition: What made a response count as correct in ``pass_at_1``, ``pass_at_k``
+            and ``avg_at_k`` (e.g. ``"reward >= 1.0 (myrewards:score)"``).
+        graders: For each figure (``pass_at_1``, ``pass_at_k``, ``avg_at_k``, ``format_rate``,
+            ``reward_mean``) the function or rule that produced it (None: not computed).
+        reward_failures: With ``reward_fn``: responses whose reward call failed (raised, timed
+            out, not a number): left out of ``reward_mean``, counted as not passing (and in
+            ``correct_unknown``); None without ``reward_fn``.
         records: Per-problem details (question id, answer, responses, verdicts: True, False or
-            None when unknown; with an environment also each episode's turns, reward and
+            None when unknown; with ``reward_fn`` each response's reward, None when it failed; with an environment also each episode's turns, reward and
             counters, and ``episode_ids``: the first episode's exact token ids, ``prompt`` (P),
             ``response`` (R, observations included) and ``action_mask`` (R, 1 = generated)).
     """
@@ -177,6 +198,11 @@ class EvalResult:
     episodes_cut: int | None = None
     episodes_failed: int | None = None
     metrics_mean: dict[str, float] = field(default_factory=dict)
+    reward_fn: str | None = None
+    pass_threshold: float | None = None
+    pass_definition: str | None = None
+    graders: dict[str, str | None] = field(default_factory=dict)
+    reward_failures: int | None = None
     records: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     def summary(self) -> dict[str, Any]:
@@ -186,7 +212,8 @@ class EvalResult:
         d.pop("records")
         if self.env == "none":
             for key in _AGENT_FIELDS:
-                d.pop(key)
+                if not (key == "reward_mean" and self.reward_fn is not None):  # --reward: the mean reward
+                    d.pop(key)
         return d
 
     def write_json(self, path: str | Path, include_records: bool = True) -> None:
@@ -232,7 +259,10 @@ def write_export_settings(export_dir: str | Path, cfg: TrainConfig, *, policy_ve
     runs that environment's episodes), and ``style`` (the preference-shift task,
     ``data.style_schedule`` set: ``schedule``, ``every`` and the ``target`` in force at
     ``policy_version``; ``conveyor eval`` then judges each response's style, pass@1 being the
-    share in the target, as the run's own held-out evaluation).
+    share in the target, as the run's own held-out evaluation), and ``reward`` (``fn``:
+    ``reward.fn``, ``pass_threshold``: ``reward.pass_threshold``, and ``heldout_grader``: the
+    reward function the held-out evaluation graded with, :func:`run_grader_kwargs`, or None for
+    the built-in checker; ``conveyor eval`` of the export grades with it by default).
 
     Args:
         export_dir: The export directory (must exist).
@@ -269,6 +299,9 @@ def write_export_settings(export_dir: str | Path, cfg: TrainConfig, *, policy_ve
         "heldout_pass_at_1": heldout_pass_at_1,
         "total_steps": cfg.trainer.total_steps,
         "interrupted": bool(interrupted),
+        # the grader of the held-out figure: conveyor eval RUN grades with the run's own reward (issue 44)
+        "reward": {"fn": cfg.reward.fn, "pass_threshold": cfg.reward.pass_threshold,
+                   "heldout_grader": run_grader_kwargs(cfg).get("reward_fn")},
     }
     env = getattr(cfg, "env", None)
     if env is not None and env.name != "none":
@@ -301,6 +334,113 @@ def unknown_note(res: EvalResult) -> str:
     return note
 
 
+BUILTIN_CHECKER = ("conveyor.rewards.math:correctness_reward (the built-in answer checker; reasoning-gym tasks: "
+                   "the task's own scorer)")
+"""The grader of correctness without a reward function (:data:`~conveyor.rewards.ANSWER_METRICS`)."""
+
+FORMAT_GRADER = "conveyor.rewards.math:format_reward (a final 'Answer:' line, a \\boxed{} or <answer></answer>)"
+"""The grader of ``format_rate`` for single responses."""
+
+STYLE_CHECKER = "conveyor.rewards.styles:style_reward (judged in the target style)"
+"""The grader of correctness on the preference-shift task (:data:`conveyor.rewards.styles.STYLE_METRICS`)."""
+
+
+def correct_metric_path(reward_fn: str) -> str | None:
+    """The import path of a reward function's own ``correct`` metric: its attribute ``correct``
+    (``fn.correct = is_right``, a function of ``(response, sample)``, 1.0 = correct), as a path
+    the reward workers load (``"myrewards:score"`` -> ``"myrewards:score.correct"``); None when the
+    function has no callable ``correct``.
+
+    Raises:
+        ValueError: ``reward_fn`` cannot be loaded (:func:`conveyor.rewards.load_reward_fn`).
+    """
+    from conveyor.rewards import BUILTIN_REWARD_FNS, load_reward_fn
+
+    fn = load_reward_fn(reward_fn)
+    if not callable(getattr(fn, "correct", None)):
+        return None
+    path = reward_fn.strip()
+    if path in BUILTIN_REWARD_FNS:
+        return None
+    if ":" not in path:
+        module, _, attr = path.rpartition(".")
+        path = f"{module}:{attr}"
+    return f"{path}.correct"
+
+
+@dataclass(frozen=True)
+class RewardGrader:
+    """How an evaluation grades with a reward function (:func:`reward_grader`).
+
+    Attributes:
+        reward_fn: The reward function (a built-in name or an import path).
+        threshold: A response passes when its reward is >= this (without ``correct_metric``).
+        correct_metric: The path of the function's own ``correct`` metric, or None.
+    """
+
+    reward_fn: str
+    threshold: float
+    correct_metric: str | None
+
+    @property
+    def pass_definition(self) -> str:
+        """The rule, in words (:attr:`EvalResult.pass_definition`)."""
+        if self.correct_metric is not None:
+            return f"{self.correct_metric} >= 1.0 (the reward function's own correct metric)"
+        return f"reward >= {self.threshold:g} ({self.reward_fn})"
+
+    def metrics(self) -> dict[str, str]:
+        """The reward service's metrics: ``format_ok`` and, with its own metric, ``correct``."""
+        out = {"format_ok": "format"}
+        if self.correct_metric is not None:
+            out["correct"] = self.correct_metric
+        return out
+
+    def graders(self) -> dict[str, str | None]:
+        """:attr:`EvalResult.graders` for single responses graded by this reward."""
+        rule = self.pass_definition
+        return {"pass_at_1": rule, "pass_at_k": rule, "avg_at_k": rule, "format_rate": FORMAT_GRADER,
+                "reward_mean": self.reward_fn}
+
+
+def reward_grader(reward_fn: str, pass_threshold: float = 1.0) -> RewardGrader:
+    """The :class:`RewardGrader` of a reward function: pass = its own ``correct`` metric when it
+    has one (:func:`correct_metric_path`), else reward >= ``pass_threshold``.
+
+    Raises:
+        ValueError: ``reward_fn`` cannot be loaded, or ``pass_threshold`` is not finite.
+    """
+    if isinstance(pass_threshold, bool) or not isinstance(pass_threshold, int | float) or not math.isfinite(
+            pass_threshold):
+        raise ValueError(f"pass threshold must be a finite number, got {pass_threshold!r}")
+    return RewardGrader(reward_fn.strip(), float(pass_threshold), correct_metric_path(reward_fn))
+
+
+def run_grader_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+    """The :func:`evaluate` keyword arguments that make a run's held-out evaluation grade with the
+    run's own reward: ``reward_fn`` (``reward.fn``), ``pass_threshold`` (``reward.pass_threshold``)
+    and ``check_timeout_s`` (``reward.timeout_s``) when ``reward.fn`` is the user's (not a built-in
+    name of :data:`~conveyor.rewards.BUILTIN_REWARD_FNS`) and the run has no environment (an
+    environment's episodes report their own verdict and reward); else ``{}`` (the built-in
+    checker, as before)."""
+    from conveyor.rewards import BUILTIN_REWARD_FNS
+
+    fn = cfg.reward.fn.strip()
+    if fn in BUILTIN_REWARD_FNS or getattr(getattr(cfg, "env", None), "name", "none") != "none":
+        return {}
+    return {"reward_fn": fn, "pass_threshold": cfg.reward.pass_threshold, "check_timeout_s": cfg.reward.timeout_s}
+
+
+def reward_note(res: EvalResult) -> str:
+    """A console note with the mean reward and the pass rule of an evaluation graded by a reward
+    function (``""`` without one)."""
+    if res.reward_fn is None:
+        return ""
+    mean = "n/a" if res.reward_mean is None else f"{res.reward_mean:.3f}"
+    failed = f", {res.reward_failures} rewards failed" if res.reward_failures else ""
+    return f"  mean reward {mean} (pass: {res.pass_definition}{failed})"
+
+
 def load_export_settings(model: str | Path) -> dict[str, Any] | None:
     """The :data:`EXPORT_SETTINGS_FILE` of a model directory (a run's export), or None when the
     model is not a directory or has no such file (a preset, a .gguf file, any other HF model).
@@ -325,7 +465,7 @@ def load_export_settings(model: str | Path) -> dict[str, Any] | None:
     if not isinstance(settings, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(settings).__name__}")
     expected = {"instruction": str, "tool": str, "max_tool_calls": int, "eval": dict, "env": dict,
-                "policy_version": int}
+                "policy_version": int, "reward": dict}
     for key, typ in expected.items():
         if key in settings and not isinstance(settings[key], typ):
             got = repr(settings[key])[:80]
@@ -459,6 +599,8 @@ def evaluate(
     reward_service: RewardService | None = None,
     check_timeout_s: float = 10.0,
     env: Any = None,
+    reward_fn: str | None = None,
+    pass_threshold: float = 1.0,
 ) -> EvalResult:
     """Generate ``samples_per_problem`` responses for every sample and score them; with ``env``,
     run that many episodes of the environment per sample instead.
@@ -491,6 +633,12 @@ def evaluate(
             response tokens); correctness and format are what the environment reports
             (``math_python``: the final answer graded in ``reward_service``); the agent figures
             of :class:`EvalResult` are filled in. None (or ``name == "none"``): single responses.
+        reward_fn: Grade with this reward function (a built-in name or ``module:fn``; module
+            docstring): every response is scored in a private reward service (one worker,
+            ``check_timeout_s``; ``reward_service`` is not used), ``reward_mean`` is reported and
+            a response passes when its reward is >= ``pass_threshold``, or by the function's own
+            ``correct`` metric. None: the built-in answer checker. Not with an environment.
+        pass_threshold: The reward a response needs to pass (with ``reward_fn``).
 
     Returns:
         An :class:`EvalResult`.
@@ -498,7 +646,8 @@ def evaluate(
     Raises:
         ValueError: empty ``samples``, ``samples_per_problem < k``, an unknown ``tool``, a
             ``tool`` other than ``"none"`` with an environment, an environment that cannot be
-            built, or a ``reward_service`` without the answer metrics.
+            built, a ``reward_service`` without the answer metrics, a ``reward_fn`` that cannot
+            be loaded, with an environment, or a non-finite ``pass_threshold``.
     """
     from conveyor.rollout.engine import SamplingParams
 
@@ -509,6 +658,12 @@ def evaluate(
         raise ValueError(f"evaluate: tool must be 'none' or 'calculator', got {tool!r}")
     if n < k or k < 1:
         raise ValueError(f"evaluate: need 1 <= k <= samples_per_problem, got k={k}, samples_per_problem={n}")
+    if env is not None and getattr(env, "name", "none") != "none" and reward_fn is not None:
+        raise ValueError(f"evaluate: reward_fn={reward_fn!r} with an environment (env.name={env.name}): the "
+                         "environment's episodes report their own verdict and reward")
+    grader = reward_grader(reward_fn, pass_threshold) if reward_fn is not None else None
+    if grader is not None:
+        reward_service = None  # a private service: the reward and the grader's own metrics
     if reward_service is not None:
         missing = [m for m in ANSWER_METRICS if m not in reward_service.metric_names]
         if missing:
@@ -528,8 +683,11 @@ def evaluate(
         from conveyor.envs.registry import needs_reward_service
 
         private = needs_reward_service(env)  # guess rewards by itself: no worker to start
-    service = reward_service if not private else RewardService("correctness", metrics=ANSWER_METRICS,
-                                                                timeout_s=check_timeout_s, max_workers=1)
+    if grader is not None:
+        service = RewardService(grader.reward_fn, metrics=grader.metrics(), timeout_s=check_timeout_s, max_workers=1)
+    else:
+        service = reward_service if not private else RewardService("correctness", metrics=ANSWER_METRICS,
+                                                                    timeout_s=check_timeout_s, max_workers=1)
     try:
         if env is not None:
             return _run_episodes(engine, tokenizer, samples, params, service, env, n=n, k=k, dataset=dataset,
@@ -537,16 +695,34 @@ def evaluate(
         return _generate_and_score(engine, tokenizer, samples, prompts, params, service, n=n, k=k,
                                    total=total, dataset=dataset, model_name=model_name,
                                    progress=progress, tool=tool, max_tool_calls=max_tool_calls,
-                                   instruction=instruction)
+                                   instruction=instruction, grader=grader)
     finally:
         if private:
             service.close()
 
 
+def _graded(service, pairs, grader: RewardGrader | None) -> list[dict[str, float | None]]:
+    """One dict of metric values per ``(response, sample)`` pair: the service's metrics only
+    (:meth:`~conveyor.rewards.RewardService.check_many`) without a grader; with one, the reward
+    too (``"reward"``, None when the call failed) and ``correct`` by the grader's pass rule."""
+    if grader is None:
+        return service.check_many(pairs)
+    out = []
+    for r in service.score_many(pairs):
+        m: dict[str, float | None] = dict(r.metrics)
+        reward = None if r.failed else float(r.score)
+        if grader.correct_metric is None:
+            m["correct"] = None if reward is None else float(reward >= grader.threshold)
+        m["reward"] = reward
+        out.append(m)
+    return out
+
+
 def _generate_and_score(engine, tokenizer, samples, prompts, params, service, *, n, k, total,
                         dataset, model_name, progress, tool, max_tool_calls,
-                        instruction) -> EvalResult:
-    """The body of :func:`evaluate` (generation, then the isolated answer checks)."""
+                        instruction, grader: RewardGrader | None = None) -> EvalResult:
+    """The body of :func:`evaluate` (generation, then the isolated answer checks; with a
+    ``grader``, the reward function's scores)."""
 
     async def run_all(bar=None, task=None):
         async def one(i: int):
@@ -578,8 +754,9 @@ def _generate_and_score(engine, tokenizer, samples, prompts, params, service, *,
     # one isolated worker call per response (the metrics only, never the service's reward)
     pairs = [(o.text, s) for i, s in enumerate(samples) for o in by_problem[i]]
     t_check = time.perf_counter()
-    checks = iter(service.check_many(pairs))
+    checks = iter(_graded(service, pairs, grader))
     check_seconds = time.perf_counter() - t_check
+    rewards: list[float | None] = []
     records = []
     p1, pk = [], {str(kk): [] for kk in _ks(n, k)}
     n_fmt = n_tok = n_correct_all = n_unknown = 0
@@ -588,13 +765,16 @@ def _generate_and_score(engine, tokenizer, samples, prompts, params, service, *,
         resps = by_problem[i]
         verdicts: list[bool | None] = []
         fmts: list[bool | None] = []
+        problem_rewards: list[float | None] = []
         for _ in resps:
             m = next(checks)
-            verdicts.append(None if m["correct"] is None else m["correct"] >= 1.0)
-            fmts.append(None if m["format_ok"] is None else m["format_ok"] >= 1.0)
+            verdicts.append(None if m.get("correct") is None else m["correct"] >= 1.0)
+            fmts.append(None if m.get("format_ok") is None else m["format_ok"] >= 1.0)
+            problem_rewards.append(m.pop("reward", None))
             for key, v in m.items():
                 if key not in ANSWER_METRICS and v is not None:
                     extra.setdefault(key, []).append(float(v))
+        rewards += problem_rewards
         c = sum(v is True for v in verdicts)
         n_unknown += sum(v is None for v in verdicts)
         n_correct_all += c
@@ -606,8 +786,21 @@ def _generate_and_score(engine, tokenizer, samples, prompts, params, service, *,
         records.append({
             "id": s.id, "answer": s.answer, "correct": verdicts, "format_ok": fmts,
             "responses": [o.text for o in resps],
+            **({"rewards": problem_rewards} if grader is not None else {}),
         })
     gen_tokens = n_tok
+    scored = [r for r in rewards if r is not None]
+    if grader is not None:
+        graded = dict(reward_fn=grader.reward_fn, pass_definition=grader.pass_definition,
+                      pass_threshold=None if grader.correct_metric else grader.threshold, graders=grader.graders(),
+                      reward_failures=len(rewards) - len(scored),
+                      reward_mean=sum(scored) / len(scored) if scored else None)
+    else:
+        style = "style_cute" in getattr(service, "metric_names", ())  # the preference-shift task's judge
+        rule = f"correct >= 1.0: {STYLE_CHECKER if style else BUILTIN_CHECKER}"
+        fmt = "conveyor.rewards.styles:quality_reward" if style else FORMAT_GRADER
+        graded = dict(pass_definition=rule, graders={"pass_at_1": rule, "pass_at_k": rule, "avg_at_k": rule,
+                                                     "format_rate": fmt, "reward_mean": None})
     return EvalResult(
         dataset=dataset,
         model=model_name,
@@ -630,6 +823,7 @@ def _generate_and_score(engine, tokenizer, samples, prompts, params, service, *,
         correct_unknown=n_unknown,
         metrics_mean={key: sum(v) / len(v) for key, v in sorted(extra.items())},
         records=records,
+        **graded,
     )
 
 
@@ -774,4 +968,10 @@ def _episode_figures(workflow, engine, samples, params, env, *, n, k, dataset, m
         tool_call_success_rate=calls_ok / calls if calls else None, sandbox_incidents=incidents,
         reward_mean=sum(rewards) / done, episodes_cut=n_cut,
         episodes_failed=len(failures) * n,
+        pass_definition=f"the environment's verdict (env.name={env.name}: correct reported by its episodes)",
+        graders={"pass_at_1": f"the environment's verdict (env.name={env.name})",
+                 "pass_at_k": f"the environment's verdict (env.name={env.name})",
+                 "avg_at_k": f"the environment's verdict (env.name={env.name})",
+                 "format_rate": f"the environment's format_ok (env.name={env.name})",
+                 "reward_mean": f"the environment's episode rewards (env.name={env.name})"},
     )

@@ -37,7 +37,7 @@ from conveyor.checkpoint import (
 )
 from conveyor.config import ConfigError, TrainConfig, load_config, resolve_reference_scoring
 from conveyor.data import load_dataset
-from conveyor.eval import unknown_note
+from conveyor.eval import reward_note, unknown_note
 from conveyor.hardware import resolve_bf16
 from conveyor.models import load_model, load_model_config, load_tokenizer
 from conveyor.rewards import check_reward_signature, load_reward_fn
@@ -463,7 +463,7 @@ def _eval_before(cfg, start: _Start, job: _Job, parts: RolloutSide, logger, run_
                            parts.reward_service, evaluate_fn=parts.evaluate, version=job.trainer.version,
                            policy=eval_policy(cfg, job.trainer))
         console.print(f"  pass@1 before: [bold]{res.pass_at_1:.3f}[/]  format rate {res.format_rate:.3f}  "
-                      f"({res.wall_seconds + res.check_seconds:.0f} s)" + unknown_note(res))
+                      f"({res.wall_seconds + res.check_seconds:.0f} s)" + reward_note(res) + unknown_note(res))
         return res.pass_at_1
     if (start.ckpt is not None or reused) and (run_dir / "eval_before.json").is_file():
         return json.loads((run_dir / "eval_before.json").read_text())["pass_at_1"]
@@ -492,7 +492,8 @@ def _finish(cfg: TrainConfig, job: _Job, parts: RolloutSide, loop: LoopResult, l
                            parts.reward_service, evaluate_fn=parts.evaluate, version=trainer.version,
                            policy=eval_policy(cfg, trainer))
         after = res.pass_at_1
-        console.print(f"  pass@1 after: [bold]{after:.3f}[/]  format rate {res.format_rate:.3f}" + unknown_note(res))
+        console.print(f"  pass@1 after: [bold]{after:.3f}[/]  format rate {res.format_rate:.3f}" + reward_note(res)
+                      + unknown_note(res))
     engine.stop()
     parts.reward_service.close()
     if cfg.run.export and trainer.version > 0:

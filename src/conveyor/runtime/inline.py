@@ -29,7 +29,7 @@ import torch
 from conveyor.checkpoint import save_checkpoint
 from conveyor.config import TrainConfig, resolve_reference_scoring
 from conveyor.data import DatasetError
-from conveyor.eval import evaluate, unknown_note
+from conveyor.eval import evaluate, run_grader_kwargs, unknown_note
 from conveyor.faults import fault_point
 from conveyor.rewards import RewardService
 from conveyor.rewards.guard import FailedRewardSteps
@@ -109,7 +109,8 @@ def heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logge
         samples = [stamp_target_style(s, style, version) for s in samples]
     kwargs = dict(k=1, temperature=0.0, max_new_tokens=cfg.run.eval_max_new_tokens,
                   instruction=cfg.data.instruction, dataset=cfg.data.heldout, model_name=cfg.model.name,
-                  progress=progress, tool=cfg.rollout.tool, max_tool_calls=cfg.rollout.max_tool_calls, **env)
+                  progress=progress, tool=cfg.rollout.tool, max_tool_calls=cfg.rollout.max_tool_calls, **env,
+                  **run_grader_kwargs(cfg))  # a user's reward.fn grades the held-out figure (issue 44)
     if policy is None:  # answer checks in the run's reward workers (metrics only)
         res = evaluate_fn(engine, tokenizer, samples, reward_service=reward_service, **kwargs)
     else:
