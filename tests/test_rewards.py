@@ -410,6 +410,22 @@ def test_load_reward_fn_errors_name_the_path(helpers, path: str, match: str) -> 
     assert repr(path) in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("path", "match"),
+    [  # issue 44, section 5: what a new user types
+        ("myrewards_xyz:score", r"module 'myrewards_xyz' not found: its folder must be on the module search path "
+                                r"\(the conveyor command does not search the working directory: PYTHONPATH=\. "
+                                r"conveyor train reward.fn=myrewards_xyz:score from the folder of myrewards_xyz.py"),
+        ("myrewards.py:score", r"'myrewards.py' is a file name; give the module's name without .py: "
+                               r"'myrewards:score'"),
+        ("pkg/myrewards.py.score", r"is a file name; give the module's name without .py: 'pkg/myrewards:score'"),
+    ],
+)
+def test_load_reward_fn_hints_pythonpath_and_a_py_suffix(path: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        load_reward_fn(path)
+
+
 # --------------------------------------------------------------------------- reward service
 
 

@@ -1428,9 +1428,10 @@ def load_reward_fn(path: str) -> RewardFn:
         The callable (its signature is not checked; it must accept ``(response, sample)``).
 
     Raises:
-        ValueError: If ``path`` is empty or malformed, its module cannot be imported, the
-            attribute does not exist, or it is not callable. The message names ``path``; the
-            original exception is chained.
+        ValueError: If ``path`` is empty or malformed, its module cannot be imported (the message
+            says how to put its folder on ``PYTHONPATH``), names a ``.py`` file instead of a
+            module, the attribute does not exist, or it is not callable. The message names
+            ``path``; the original exception is chained.
     """
     if not isinstance(path, str) or not path.strip():
         raise ValueError(f"reward function path must be a non-empty str, got {path!r}")
@@ -1446,11 +1447,21 @@ def load_reward_fn(path: str) -> RewardFn:
             f"reward function {path!r}: expected a built-in name {sorted(BUILTIN_REWARD_FNS)}, "
             "'package.module:function' or 'package.module.function'"
         )
+    if module_name.endswith(".py"):  # a file name given for a module name
+        fixed = f"{module_name[:-3]}:{attr_path}"
+        raise ValueError(f"reward function {path!r}: {module_name!r} is a file name; give the module's name "
+                         f"without .py: {fixed!r} (its folder on PYTHONPATH, e.g. PYTHONPATH=. conveyor train "
+                         f"reward.fn={fixed})")
     try:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise ValueError(f"reward function {path!r}: module {module_name!r} not found") from exc
+            raise ValueError(
+                f"reward function {path!r}: module {module_name!r} not found: its folder must be on the "
+                "module search path (the conveyor command does not search the working directory: "
+                f"PYTHONPATH=. conveyor train reward.fn={path} from the folder of {module_name.split('.')[0]}.py, "
+                "or pip install your package)"
+            ) from exc
         raise ValueError(
             f"reward function {path!r}: importing {module_name!r} failed: {exc}"
         ) from exc
