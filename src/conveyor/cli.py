@@ -441,6 +441,8 @@ def train_cmd(
         config = next((Path(o) for o in ov if "=" not in o and Path(o).suffix.lower() in CONFIG_FILE_SUFFIXES), None)
     if resume and config is not None:
         _fail(f"--resume uses the run's saved config; pass changes as key=value overrides, not a file ({config})")
+    if config is not None and not config.exists():  # a shipped preset: `conveyor train sao` from anywhere
+        config = _preset_or_fail(config)
     try:
         cfg = load_run_config(resume, ov) if resume else load_config(config, ov)
     except (ConfigError, FileNotFoundError) as e:
@@ -495,6 +497,36 @@ def train_cmd(
         # the shell's convention for a signal: 128 + its number (130 SIGINT, 143 SIGTERM); a
         # monitor stop is not a signal: 3
         sys.exit(3 if by else 128 + (res.signal or 2))
+
+
+def _preset_or_fail(config: Path) -> Path:
+    """The shipped preset ``config`` names (:func:`conveyor.presets.find_preset`; said on the
+    console), else a failure naming the missing file and the presets."""
+    from conveyor.presets import find_preset, list_presets
+
+    preset = find_preset(config)
+    if preset is None:
+        names = ", ".join(list_presets()) or "none installed"
+        _fail(f"config file {config} does not exist; the shipped presets (conveyor presets): {names}, e.g. "
+              "conveyor train sao")
+    console.print(f"preset {preset.stem}: {preset}", soft_wrap=True, markup=False)
+    return preset
+
+
+@app.command("presets")
+def presets_cmd() -> None:
+    """List the configuration presets shipped with conveyor (conveyor train NAME, from any
+    directory; the files are the repository's configs/*.yaml)."""
+    from conveyor.presets import list_presets, preset_description
+
+    presets = list_presets()
+    if not presets:
+        _fail("no presets installed (conveyor/configs/ is missing from this installation)", code=1)
+    width = max(len(n) for n in presets)
+    for name, path in presets.items():
+        console.print(f"{name:<{width}}  {preset_description(path)}", soft_wrap=True, markup=False)
+    console.print(f"\nconveyor train NAME [key=value ...]; the files: {next(iter(presets.values())).parent}",
+                  soft_wrap=True, markup=False)
 
 
 @app.command("datasets")
