@@ -125,7 +125,7 @@ def _groups(output: str) -> dict[int, list[tuple[int, int, float]]]:
 
 def test_cli_inspect_end_to_end(tiny_run, tmp_path):
     png = tmp_path / "attn.png"
-    r = CliRunner().invoke(app, ["inspect", str(tiny_run), "--sample", "1", "--top", "3", "--plot", str(png)])
+    r = CliRunner().invoke(app, ["inspect", str(tiny_run), "--sample", "1", "--top", "3", "--plot", str(png), "--all"])
     assert r.exit_code == 0, r.output
     assert "policy: checkpoint step_1 (policy version 1) on tiny" in r.output
     assert "layer 1 of 0..1, mean over heads (4 heads)" in r.output
@@ -145,6 +145,31 @@ def test_cli_inspect_end_to_end(tiny_run, tmp_path):
     assert r.exit_code == 0, r.output
     groups = _groups(r.output)
     assert list(groups) == [last] and all(j < last for _, j, _ in groups[last])
+
+
+def test_cli_inspect_says_what_the_fields_mean_and_summarises_first(tiny_run):
+    """Issue 44, section 5: a header says what 'Step', 'Token j' and w% mean; by default a short
+    summary (the most attended tokens, the strongest links) instead of every response token's
+    links, which --all prints."""
+    r = CliRunner().invoke(app, ["inspect", str(tiny_run), "--top", "3"])
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())
+    assert "how to read a link 'Step s: Token j \"a\" -> Token i \"b\" w%': target token i" in out, out
+    assert "i's s-th strongest link (s = 1..3)" in out and "positions count from the first prompt token" in out
+    assert not _groups(r.output)  # no per-target lines by default
+    m = re.search(r"response tokens (\d+)\.\.(\d+)", r.output)
+    first, last = int(m.group(1)), int(m.group(2))
+    assert f"summary over the response's {last - first + 1} tokens" in out
+    strongest = r.output.split("strongest links:")[1].splitlines()[1:]
+    pairs = [re.match(r"^\s+Token (\d+) \".*\" -> Token (\d+) \".*\"  (\d+\.\d\d)%$", line) for line in strongest]
+    pairs = [p for p in pairs if p]
+    assert 1 <= len(pairs) <= 10
+    ws = [float(p.group(3)) for p in pairs]
+    assert ws == sorted(ws, reverse=True) and all(first <= int(p.group(2)) <= last for p in pairs)
+    full = CliRunner().invoke(app, ["inspect", str(tiny_run), "--top", "3", "--all"])
+    groups = _groups(full.output)
+    assert max(w for links in groups.values() for _, _, w in links) == ws[0]  # the summary's first is the strongest
+    assert "--all" in out and len(r.output.splitlines()) < len(full.output.splitlines())
 
 
 def test_cli_bad_arguments(tiny_run):

@@ -577,6 +577,38 @@ def report_cmd(run_dir: Path) -> None:
         _fail(str(e))
 
 
+_INSPECT_LEGEND = (
+    "how to read a link 'Step s: Token j \"a\" -> Token i \"b\"  w%': target token i (\"b\", decoded) gives "
+    "w% of its attention in this layer to source token j (\"a\"), i's s-th strongest link (s = 1..{top}); "
+    "positions count from the first prompt token (prompt 0..{last}, response {first}..), and a target's "
+    "weights are normalised over the tokens 0..i it can see")
+
+
+def _inspect_summary(res, top: int, all_links: bool) -> list[str]:
+    """``conveyor inspect``'s short summary: the most attended source tokens (their mean share of
+    a response token's attention, over the listed links) and the strongest links into response
+    tokens; a last line says how to get the full list (``--all``)."""
+    import json as _json
+
+    def tok(i: int) -> str:
+        return f"Token {i} {_json.dumps(res.labels[i], ensure_ascii=False)}"
+
+    links = [ln for lns in res.links.values() for ln in lns]
+    n = max(1, len(res.links))
+    share: dict[int, float] = {}
+    for ln in links:
+        share[ln.source] = share.get(ln.source, 0.0) + ln.weight / n
+    out = [f"summary over the response's {len(res.links)} tokens:",
+           f"  most attended tokens (mean share of a response token's attention, counted in its top {top} links):"]
+    out += [f"    {tok(j)}  {100.0 * w:.2f}%" for j, w in sorted(share.items(), key=lambda kv: (-kv[1], kv[0]))[:5]]
+    out.append("  strongest links:")
+    out += [f"    {tok(ln.source)} -> {tok(ln.target)}  {100.0 * ln.weight:.2f}%"
+            for ln in sorted(links, key=lambda ln: (-ln.weight, ln.target, ln.source))[:10]]
+    if not all_links:
+        out.append(f"every response token's top {top} links ({len(links)} lines): --all; one token's: --target I")
+    return out
+
+
 @app.command("inspect")
 def inspect_cmd(
     run_dir: Annotated[Path, typer.Argument(help="a conveyor train run directory (read only)")],
@@ -587,12 +619,16 @@ def inspect_cmd(
     target: Annotated[int | None, typer.Option(help="one target token (position in prompt + response; default: every response token)")] = None,
     exclude_self: Annotated[bool, typer.Option("--exclude-self", help="leave out i -> i links, normalise over the rest")] = False,
     plot: Annotated[Path | None, typer.Option(help="save a heat map of the response tokens here (PNG)")] = None,
+    all_links: Annotated[bool, typer.Option("--all", help="print every response token's links (default: a "
+                                                           "summary of the strongest; --target prints its own)")]
+        = False,
 ) -> None:
     """Attention inspection: the strongest links `Step s: Token j -> Token i  w%` of one held-out
     trajectory under the run's policy (export, else newest intact checkpoint, else the base
     model, said so), weights normalised per target token; one forward pass with eager attention.
     Says which policy version generated the trajectory and warns when it is not the version
-    loaded.
+    loaded. Prints what each field means, then a summary (the most attended tokens and the
+    strongest links over the response); --all adds every response token's links.
     """
     from rich.markup import escape
 
@@ -635,8 +671,14 @@ def inspect_cmd(
     console.print(f"layer {res.layer} of 0..{res.num_layers - 1}, {head_txt} ({res.num_heads} heads); top {top} "
                   f"links per target, normalised per target{', self-links excluded' if exclude_self else ''}",
                   markup=False, soft_wrap=True)
-    for line in res.lines:
-        console.print(line, markup=False, highlight=False, emoji=False, soft_wrap=True)
+    console.print(_INSPECT_LEGEND.format(top=top, last=res.prompt_len - 1, first=res.prompt_len),
+                  markup=False, highlight=False, soft_wrap=True)
+    if target is None:
+        for line in _inspect_summary(res, top, all_links):
+            console.print(line, markup=False, highlight=False, emoji=False, soft_wrap=True)
+    if target is not None or all_links:
+        for line in res.lines:
+            console.print(line, markup=False, highlight=False, emoji=False, soft_wrap=True)
     if plot is not None:
         title = f"{run_dir.name}: {tr.sample_id}, layer {res.layer}, {head_txt}"
         try:
