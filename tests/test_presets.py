@@ -56,3 +56,17 @@ def test_presets_command_lists_them(tmp_path, monkeypatch) -> None:
     names = [line.split()[0] for line in r.output.splitlines() if line.strip() and not line.startswith("conveyor")]
     assert names == sorted(list_presets()), r.output
     assert "conveyor train NAME" in r.output
+
+
+def test_the_default_preset_keeps_the_data_sources_own_instruction(tmp_path) -> None:
+    """configs/default.yaml showed the numeric sets' instruction as a fixed value, so a run of it on
+    your own file: data was told "as a number" while the same run without the file was not
+    (issue 44, section 5): it is null there, resolved from data.train as without a file."""
+    from conveyor.config import load_config
+    from conveyor.data.registry import INSTRUCTION_MATH, INSTRUCTION_NUMBER
+
+    data = tmp_path / "mydata.jsonl"
+    data.write_text('{"question": "What is 2 plus 3?", "answer": "5"}\n')
+    for path in (PRESET_DIR / "default.yaml", None):
+        assert load_config(path, [f"data.train={data}"]).data.instruction == INSTRUCTION_MATH, path
+        assert load_config(path, []).data.instruction == INSTRUCTION_NUMBER, path

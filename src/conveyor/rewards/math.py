@@ -148,7 +148,22 @@ from conveyor.types import Sample
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, Sample], float]
-"""A reward function: ``(response text, sample) -> reward`` (float, no unit)."""
+"""A reward function: ``(response text, sample) -> reward`` (float, no unit).
+
+What a reward function of your own receives (``reward.fn=module:fn``): ``response`` is the
+model's text (an agent's or tool-using episode: its generated text); ``sample.answer`` is always a
+string (a number in a JSONL file arrives as ``"76"``; compare with ``float(sample.answer)``);
+``sample.question`` the question without the instruction; the JSONL fields beyond the question
+and the answer are in ``sample.metadata["fields"]`` (a dict, e.g. ``{"difficulty": 3}``). The
+prompt asked for the answer after ``"Answer:"``: ``data.instruction`` not set, a ``file:`` data
+set's instruction is "Give the final answer after 'Answer:'." (numeric sets: "... as a number
+after 'Answer:'."; ``conveyor.data.registry.source_format``); the run's ``config.json`` records
+the one used. At start-up the function is called once on ``"Answer: <sample.answer>"``
+(:mod:`conveyor.rewards.guard`): it must return a finite number there. An optional attribute
+``fn.correct`` (a function of ``(response, sample)``, 1.0 = correct) is its own correctness
+metric for the evaluations (:mod:`conveyor.eval`); without it a response passes at reward >=
+``reward.pass_threshold``.
+"""
 
 AnswerSource = Literal["boxed", "answer_xml", "answer_tag", "hashes", "last_number"]
 
