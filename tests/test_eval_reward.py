@@ -17,7 +17,13 @@ from typer.testing import CliRunner
 from conveyor.cli import app
 from conveyor.config import load_config
 from conveyor.data import load_dataset
-from conveyor.eval import BUILTIN_CHECKER, evaluate, load_export_settings, reward_grader, run_grader_kwargs
+from conveyor.eval import (
+    BUILTIN_CHECKER,
+    evaluate,
+    load_export_settings,
+    reward_grader,
+    run_grader_kwargs,
+)
 from conveyor.rollout.engine import InferenceEngine
 
 MODULE = textwrap.dedent('''

@@ -244,6 +244,13 @@ def eval_cmd(
     max_episode_tokens: Annotated[int | None, typer.Option(help=_EVAL_HELP["max_episode_tokens"])] = None,
     tool_format: Annotated[str | None, typer.Option(help=_EVAL_HELP["tool_format"])] = None,
     env_option: Annotated[list[str] | None, typer.Option(help=_EVAL_HELP["env_option"])] = None,
+    engine_name: Annotated[str, typer.Option("--engine", help="what generates: local (conveyor's engine) or vllm (a "
+                                                               "vLLM server on the model's directory, started and "
+                                                               "stopped here, or --vllm-url)")] = "local",
+    vllm_url: Annotated[str | None, typer.Option(help="--engine vllm: a running vLLM server instead of starting "
+                                                      "one (it must serve the same model)")] = None,
+    vllm_dtype: Annotated[str, typer.Option(help="--engine vllm: the started server's dtype (float32, bfloat16)")]
+        = "float32",
 ) -> None:
     """Evaluate a model: pass@1, pass@k (Chen et al. 2021), avg@k, format rate, length, tokens/s;
     with --env, an environment's episodes (also turns, tool calls, sandbox incidents).
@@ -381,8 +388,23 @@ def eval_cmd(
         console.print(f"style task: pass@1 is the share judged in {style['target']} (the target at version "
                       f"{exported.get('policy_version')}); metrics_mean has the share judged in each style",
                       soft_wrap=True)
-    engine = InferenceEngine(lm.model, lm.tokenizer, max_batch_size=batch_size, seed=seed, device=engine_device)
-    engine.start()
+    if engine_name == "vllm":
+        from conveyor.models import resolve_model_dir
+        from conveyor.rollout.engine.vllm import VllmEngine, VllmServer, VllmServerError
+
+        server = None if vllm_url else VllmServer(str(resolve_model_dir(model)), dtype=vllm_dtype,
+                                                  max_num_seqs=batch_size, seed=seed)
+        engine = VllmEngine(vllm_url, server=server, tokenizer=lm.tokenizer)
+        try:
+            engine.start()
+        except (VllmServerError, OSError, RuntimeError) as e:
+            engine.close()
+            _fail(str(e))
+    elif engine_name == "local":
+        engine = InferenceEngine(lm.model, lm.tokenizer, max_batch_size=batch_size, seed=seed, device=engine_device)
+        engine.start()
+    else:
+        _fail(f"--engine must be local or vllm, got {engine_name!r}")
     try:
         res = evaluate(
             engine, lm.tokenizer, data, k=k, samples_per_problem=samples, temperature=temperature, top_p=top_p,
@@ -397,6 +419,8 @@ def eval_cmd(
         _fail(str(e), code=1)
     finally:
         engine.stop()
+        if engine_name == "vllm":
+            engine.close()  # a server started here stops with it
         if reward_service is not None:
             reward_service.close()
     res.settings_from, res.split_seed, res.init = settings_from, split_seed, init
@@ -451,6 +475,7 @@ def train_cmd(
     # count); train.log in the run directory gets everything
     handler = logging.FileHandler("/dev/null") if quiet else console_log_handler()
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, handlers=[handler])
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request to a remote engine otherwise
     try:
         res = run_training(cfg, resume_dir=resume, console=console)
     except (FileExistsError, FileNotFoundError, ModelLoadError, DatasetError, ConfigError,

@@ -85,9 +85,47 @@ class EnvLatencyConfig(_Strict):
     seed: int = 0
 
 
+class VllmSettings(_Strict):
+    """The vLLM server of ``rollout.engine=vllm`` (``rollout.vllm.*``; :mod:`conveyor.rollout.engine.vllm`,
+    docs/vllm.md): conveyor starts and stops one server per engine (``url`` null), or connects to one you
+    started (``url`` set; it must run with ``VLLM_SERVER_DEV_MODE=1``, ``--enable-scale-out`` and
+    ``--logprobs-mode processed_logprobs``). The server's dtype is ``rollout.engine_dtype``."""
+
+    url: str | None = Field(default=None, description="a running vLLM server (http://host:port); null: conveyor starts "
+                                                      "one per engine and stops it with the run")
+    python: str = Field(default="auto", description="interpreter that imports vllm: auto = $CONVEYOR_VLLM_PYTHON, else "
+                                                    ".venv-vllm/bin/python (scripts/install.sh --vllm), else this one")
+    port: int = Field(default=0, ge=0, le=65535, description="port of a started server (0: a free one)")
+    kv_cache_gb: float = Field(default=4.0, gt=0, description="KV-cache space of a server on the CPU "
+                                                             "(VLLM_CPU_KVCACHE_SPACE, GiB)")
+    max_model_len: int | None = Field(default=2048, ge=16, description="context length the server allocates for "
+                                                                       "(null: the model's)")
+    max_num_seqs: int | None = Field(default=None, ge=1, description="the server's decode batch (null: "
+                                                                      "rollout.max_batch_size)")
+    enforce_eager: bool = Field(default=True, description="--enforce-eager: no torch.compile (a 2-core CPU starts in "
+                                                          "~60 s instead of 70-220 s; docs/results/vllm.md)")
+    extra_args: list[str] = Field(default_factory=list, description="more vLLM command-line arguments, as they are")
+    startup_timeout_s: float = Field(default=900.0, gt=0, description="seconds to wait for the server's /health")
+    update_timeout_s: float = Field(default=600.0, gt=0, description="seconds for one weight reload")
+    api_key: str | None = Field(default=None, description="sent as 'Authorization: Bearer KEY' (a server you started)")
+
+
+class SglangSettings(_Strict):
+    """A server speaking SGLang's native API (``rollout.engine=sglang``): SGLang, or ``conveyor serve``
+    (the only one tested here: SGLang has no CPU build on the development machine)."""
+
+    url: str | None = Field(default=None, description="the server (http://host:port); required")
+    api_key: str | None = Field(default=None, description="sent as 'Authorization: Bearer KEY'")
+
+
 class RolloutConfig(_Strict):
     """Generation settings of the rollout engine and the workflow (MISSION.md section 1)."""
 
+    engine: Literal["local", "vllm", "sglang"] = Field(
+        default="local", description="what generates: local (conveyor's engine in this process), vllm (a vLLM server: "
+                                     "rollout.vllm.*), sglang (a server speaking SGLang's API: rollout.sglang.url)")
+    vllm: VllmSettings = Field(default_factory=lambda: VllmSettings())
+    sglang: SglangSettings = Field(default_factory=lambda: SglangSettings())
     group_size: int = Field(default=8, ge=1, description="responses per prompt (GRPO group)")
     max_new_tokens: int = Field(default=96, ge=1, description="tokens")
     temperature: float = Field(default=0.6, ge=0.0)
@@ -777,6 +815,10 @@ class TrainConfig(_Strict):
             if why:
                 raise ValueError("trainer.elastic_threads=true does not work with " + "; ".join(why)
                                  + ": set trainer.elastic_threads=false")
+        if self.rollout.engine != "local":
+            why = remote_engine_blockers(self)
+            if why:
+                raise ValueError(f"rollout.engine={self.rollout.engine} does not work with " + "; ".join(why))
         if self.rollout.elastic_threads and self.runtime.name != "inline":
             raise ValueError("rollout.elastic_threads=true needs runtime.name=inline (the engine borrows the "
                              "trainer's threads in one process; a Ray actor's engine has its own CPUs)")
@@ -936,10 +978,41 @@ def reference_scoring_blockers(cfg: TrainConfig) -> list[str]:
         (f"runtime.name={cfg.runtime.name} (the scorer borrows the in-process engine's idle cores; inline only)",
          cfg.runtime.name != "inline"),
         (f"rollout.num_engines={cfg.rollout.num_engines} (one engine's idle time)", cfg.rollout.num_engines > 1),
+        (f"rollout.engine={cfg.rollout.engine} (the engine is in another process)", cfg.rollout.engine != "local"),
         ("lora.enabled=true (the reference is the policy with its adapters disabled, not a frozen copy)",
          cfg.lora.enabled),
         (f"trainer.world_size={cfg.trainer.world_size} (one trainer process)", cfg.trainer.world_size > 1),
     ) if bad]
+
+
+def remote_engine_blockers(cfg: TrainConfig) -> list[str]:
+    """What ``rollout.engine=vllm`` / ``sglang`` (an engine in a server process) cannot do, each
+    naming its key and the setting that works (empty: nothing). The server owns the weights, so
+    what reads or lends the in-process engine's model or threads is out; vLLM returns no kept sets,
+    so truncated sampling is out for it; weights travel as merged safetensors."""
+    r = cfg.rollout
+    out = [w for w, bad in (
+        ("rollout.elastic_threads=true (the engine's threads are in the server): set it false", r.elastic_threads),
+        ("trainer.elastic_threads=true (the engine's threads are in the server): set it false",
+         cfg.trainer.elastic_threads),
+        (f"proximal.method={cfg.proximal.method} (scores old log-probs with the engine's own model in this "
+         "process): use recompute, behavior, snapshot, interpolate or ewma",
+         cfg.proximal.method in ("partial_sync", "dedicated")),
+        (f"trainer.reference_scoring={cfg.trainer.reference_scoring} (borrows the in-process engine's idle cores): "
+         "use update or auto", cfg.trainer.reference_scoring in ("idle_engine", "background")),
+        ("lora.sync=adapter (the server reloads merged weights from disk): set lora.sync=merged",
+         cfg.lora.enabled and cfg.lora.sync == "adapter"),
+        ("runtime.name=ray (each Ray engine actor is a local engine today): use runtime.name=inline",
+         cfg.runtime.name == "ray"),
+        (f"rollout.engine_device={r.engine_device} (the server picks its device): leave it auto",
+         r.engine_device != "auto"),
+    ) if bad]
+    if r.engine == "vllm" and (r.top_p < 1 or r.top_k > 0 or r.min_p > 0):
+        out.append("rollout.top_p / top_k / min_p truncation (vLLM's CPU sampler returns no kept set, so the trainer "
+                   "could not renormalise over it): set rollout.top_p=1, top_k=0, min_p=0")
+    if r.engine == "sglang" and not r.sglang.url:
+        out.append("rollout.sglang.url unset (conveyor does not start SGLang): start a server and set its URL")
+    return out
 
 
 def resolve_reference_scoring(cfg: TrainConfig, trainer_device: str) -> tuple[str, str]:

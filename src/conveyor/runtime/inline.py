@@ -278,6 +278,64 @@ def make_engine(cfg: TrainConfig, model, tokenizer, *, version: int, seed_index:
                            device=engine_device(cfg))
 
 
+def make_remote_engine(cfg: TrainConfig, tokenizer, *, version: int, index: int, run_dir: Path | None):
+    """Engine ``index`` of ``rollout.engine=vllm`` / ``sglang``, not started: a
+    :class:`~conveyor.rollout.engine.vllm.VllmEngine` that owns a
+    :class:`~conveyor.rollout.engine.vllm.VllmServer` on ``model.name``'s safetensors directory
+    (``rollout.vllm.url`` null; its log ``RUN/vllm_server<index>.log``, its weight files under
+    ``RUN/vllm_weights/<index>``), or one on ``rollout.vllm.url``; an
+    :class:`~conveyor.rollout.engine.remote.HttpEngine` on ``rollout.sglang.url``.
+
+    Args:
+        version: Policy version the server's weights are labelled with.
+        index: The engine's index (its seed: :func:`~conveyor.rollout.engine.router.engine_seed`).
+        run_dir: The run directory (None: temporary files).
+    """
+    from conveyor.models import resolve_model_dir
+    from conveyor.rollout.engine.remote import HttpEngine
+    from conveyor.rollout.engine.vllm import VllmEngine, VllmServer
+
+    r = cfg.rollout
+    weight_dir = run_dir / f"{r.engine}_weights" / str(index) if run_dir is not None else None
+    if r.engine == "sglang":
+        return HttpEngine(r.sglang.url, api_key=r.sglang.api_key, weight_dir=weight_dir, initial_version=version)
+    v = r.vllm
+    server = None
+    if v.url is None:
+        server = VllmServer(
+            model=str(resolve_model_dir(cfg.model.name)), python=v.python, port=v.port if index == 0 else 0,
+            dtype=_engine_dtype(cfg, False), kv_cache_gb=v.kv_cache_gb, max_model_len=v.max_model_len,
+            enforce_eager=v.enforce_eager, max_num_seqs=v.max_num_seqs or r.max_batch_size,
+            seed=engine_seed(cfg.run.seed, version, index), extra_args=list(v.extra_args),
+            log_path=str(run_dir / f"vllm_server{index}.log") if run_dir is not None else None,
+            startup_timeout_s=v.startup_timeout_s)
+    return VllmEngine(v.url, server=server, tokenizer=tokenizer, version=version, api_key=v.api_key,
+                      weight_dir=weight_dir, update_timeout=v.update_timeout_s)
+
+
+def start_remote_engines(engines: list, trainer, *, random_init: bool = False) -> None:
+    """Start each remote engine and give its server the trainer's weights where they may differ
+    from what it loaded (a resumed run, ``model.init=random``, LoRA, a server conveyor did not
+    start): the trainer's
+    :meth:`~conveyor.trainer.trainer.Trainer.weight_update` at its current version.
+
+    Raises:
+        VllmServerError / EngineHTTPError: a server cannot start or lacks what training needs.
+    """
+    update = None
+    # a server someone else started (rollout.vllm.url) may hold any weights: it gets the trainer's
+    foreign = any(getattr(e, "server", True) is None for e in engines)
+    if trainer.version > 0 or getattr(trainer, "lora", None) is not None or random_init or foreign:
+        update = trainer.weight_update()
+    for e in engines:
+        e.start()
+        if update is not None and hasattr(e, "load_weights"):
+            e.load_weights(update)
+        elif update is not None:
+            raise ValueError(f"{type(e).__name__} cannot take the trainer's starting weights (resume / LoRA / "
+                             "model.init=random): use rollout.engine=vllm or local")
+
+
 def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, train_samples, *,
                   engine_threads: int, logger: MetricsLogger, ctx: RunContext, n_too_long: int = 0,
                   state: dict | None = None) -> RolloutSide:
@@ -293,26 +351,37 @@ def build_rollout(cfg: TrainConfig, trainer: Trainer, tokenizer, reward_fn, trai
         state: The checkpoint's ``state.pt`` contents when resuming.
     """
     cfg = resolve_engine_dtype(cfg, trainer.bf16)
-    # weight updates for an engine on a GPU: staged on the trainer's GPU when the trainer has one
-    # (the engine copies device to device), else in pinned host memory (Trainer.weight_update)
-    trainer.publish_device = engine_device(cfg) if isinstance(trainer, Trainer) else None
-    # the engine's own plain copy (with LoRA: adapters merged, no peft modules; lora.sync=adapter
-    # also hands it the base weights W0 that the adapters it receives are merged onto)
-    policy = trainer.inference_policy()
-    engine_model = (copy.deepcopy(policy) if policy is trainer.model else policy).eval()
-    for p in engine_model.parameters():
-        p.requires_grad_(False)
     n_engines = cfg.rollout.num_engines
-    # rollout.num_engines > 1: further engines, each with its own copy (taken before engine 0
-    # may convert its model to rollout.engine_dtype)
-    models = [engine_model] + [copy.deepcopy(engine_model) for _ in range(n_engines - 1)]
-    engines = [make_engine(cfg, m, tokenizer, version=trainer.version, seed_index=i, engine_threads=engine_threads,
-                           track_partials=tracks_partials(trainer.proximal), lora_base=trainer.engine_lora_base())
-               for i, m in enumerate(models)]
+    if cfg.rollout.engine != "local":  # engines in server processes (rollout.engine=vllm / sglang)
+        trainer.publish_device = None  # the weights go through the host's disk
+        engines = [make_remote_engine(cfg, tokenizer, version=trainer.version, index=i, run_dir=ctx.run_dir)
+                   for i in range(n_engines)]
+        for e in engines:  # closed (an owned server stopped) however the run ends, started or not
+            ctx.stack.callback(e.close)
+        start_remote_engines(engines, trainer, random_init=cfg.model.init == "random")
+    else:
+        # weight updates for an engine on a GPU: staged on the trainer's GPU when the trainer has one
+        # (the engine copies device to device), else in pinned host memory (Trainer.weight_update)
+        trainer.publish_device = engine_device(cfg) if isinstance(trainer, Trainer) else None
+        # the engine's own plain copy (with LoRA: adapters merged, no peft modules; lora.sync=adapter
+        # also hands it the base weights W0 that the adapters it receives are merged onto)
+        policy = trainer.inference_policy()
+        engine_model = (copy.deepcopy(policy) if policy is trainer.model else policy).eval()
+        for p in engine_model.parameters():
+            p.requires_grad_(False)
+        # rollout.num_engines > 1: further engines, each with its own copy (taken before engine 0
+        # may convert its model to rollout.engine_dtype)
+        models = [engine_model] + [copy.deepcopy(engine_model) for _ in range(n_engines - 1)]
+        engines = [make_engine(cfg, m, tokenizer, version=trainer.version, seed_index=i, engine_threads=engine_threads,
+                               track_partials=tracks_partials(trainer.proximal), lora_base=trainer.engine_lora_base())
+                   for i, m in enumerate(models)]
     engine = engines[0] if n_engines == 1 else EngineRouter(engines, restart=None,
                                                              max_batch_size=cfg.rollout.max_batch_size)
     engine.start()
-    ctx.stack.callback(engine.close if isinstance(engine, EngineRouter) else engine.stop)
+    if cfg.rollout.engine == "local":
+        ctx.stack.callback(engine.close if isinstance(engine, EngineRouter) else engine.stop)
+    else:
+        ctx.stack.callback(engine.stop)
     reward_service = RewardService(reward_fn, timeout_s=cfg.reward.timeout_s,
                                    failure_score=cfg.reward.failure_score, max_workers=cfg.reward.workers,
                                    metrics=service_metrics(cfg.data.style_schedule),  # correctness (style verdicts) off the main process too

@@ -68,11 +68,15 @@ class RunClock:
         the engine, the trainer, the reference scorer, ...; not child processes such as reward
         workers, nor Ray actors: with ``runtime.name=ray`` it is the driver's share) over
         ``wall_s x cores`` (cores this process may run on; a CPU quota of a container is not
-        read). 1.0: every core busy all the time. Unlike
+        read). An engine server the run started (``rollout.engine=vllm``) reports its processes' CPU
+        seconds (``server_cpu_seconds`` in the engine's stats), and they count here too. 1.0: every core busy all the time. Unlike
         ``busy/trainer`` / ``busy/engine`` it counts a core by what ran on it, not by which
         component owns it (a trainer that borrows the idle engine's core keeps that core busy)."""
         wall_s = max(self.wall() if wall_s is None else wall_s, 1e-9)
-        return (time.process_time() - self.cpu_start) / (wall_s * self.cores)
+        cpu = time.process_time() - self.cpu_start
+        if "server_cpu_seconds" in self.eng0:  # an engine server this run started (rollout.engine=vllm)
+            cpu += max(0.0, float(self.engine_stats().get("server_cpu_seconds", 0.0)) - self.eng0["server_cpu_seconds"])
+        return cpu / (wall_s * self.cores)
 
     def busy(self, trainer_busy_s: float) -> dict[str, float]:
         """``time/elapsed_s`` and the busy fractions with ``trainer_busy_s`` trainer seconds
