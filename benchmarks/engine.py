@@ -3,7 +3,7 @@ batches, same model, prompts, threads and response lengths (issue 5, bar >= 2x t
 
 Usage: python benchmarks/engine.py [--model smollm2-135m-instruct|tiny] [--requests 64]
        [--max-batch 32] [--threads 1] [--dtype float32|bfloat16] [--baseline] [--quick]
-       [--output FILE.json]
+       [--engine local|vllm] [--output FILE.json]
 
 Response lengths are drawn from a long-tailed distribution (log-normal, median ``--median``
 tokens, sigma ``--sigma``, capped at ``--max-len``): many short responses and a few long ones, as
@@ -16,6 +16,13 @@ useful. Latency = time from t = 0 until a request's response is complete.
 ``--dtype bfloat16`` runs the engine with bf16 weights (``rollout.engine_dtype``); ``--baseline``
 also runs today's engine settings (float32) on the same requests in the same process, so the
 speed-up is a ratio measured in one run (issue 16). The HF side always runs float32.
+
+``--engine vllm`` runs a vLLM server (``conveyor.rollout.engine.vllm.VllmServer``, the same dtype,
+``--max-batch`` sequences, started before the clock) on the same requests through
+:class:`~conveyor.rollout.engine.vllm.VllmEngine`, beside conveyor's engine in the same run, instead
+of the HF side: tokens/s of each, their ratio, and tokens/s per core used (the CPU seconds of the
+engine's process, or of the server's processes, over the wall time: a vLLM server runs a compute
+thread plus its API server and scheduler).
 
 Prints one JSON line with tokens/s of both, their ratio (engine / HF), the baseline engine's
 tokens/s and the ratio engine / baseline when asked, and latency percentiles (s).
@@ -60,6 +67,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--baseline", action="store_true",
                     help="also run today's engine settings (float32) on the same requests: ratio in one run")
     ap.add_argument("--quick", action="store_true", help="tiny model, 16 requests, short responses (CI smoke run)")
+    ap.add_argument("--engine", choices=("local", "vllm"), default="local",
+                    help="vllm: a vLLM server beside conveyor's engine (instead of the HF side)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     if args.quick:
@@ -83,7 +92,9 @@ def main(argv: list[str] | None = None) -> dict:
     # --- conveyor engine: all requests at once, continuous batching
     dtype = getattr(torch, args.dtype)
     eng_model = copy.deepcopy(model) if dtype != torch.float32 else model  # the engine casts in place
+    cpu0 = time.process_time()
     outs, done_at, eng_wall = _run_engine(eng_model, tok, prompts, lengths, args, dtype)
+    eng_cores = (time.process_time() - cpu0) / eng_wall
     del eng_model
     got = [len(o.token_ids) for o in outs]
     if got != lengths:
@@ -93,6 +104,29 @@ def main(argv: list[str] | None = None) -> dict:
         b_outs, b_done, b_wall = _run_engine(model, tok, prompts, lengths, args, torch.float32)
         baseline = {"dtype": "float32", "tokens_per_s": useful / b_wall, "wall_s": b_wall,
                     "latency_s": _percentiles(b_done), "ratio_engine_over_baseline": b_wall / eng_wall}
+
+    if args.engine == "vllm":
+        v_outs, v_done, v_wall, v_cores = _run_vllm(args.model, tok, prompts, lengths, args)
+        got = [len(o.token_ids) for o in v_outs]
+        if got != lengths:
+            raise SystemExit(f"vLLM produced {sum(got)} tokens, expected {useful} (lengths differ)")
+        res = {
+            "model": args.model, "requests": len(prompts), "max_batch": args.max_batch, "threads": args.threads,
+            "dtype": args.dtype, "useful_tokens": useful, "length_mean": statistics.fmean(lengths),
+            "engine_tokens_per_s": useful / eng_wall, "vllm_tokens_per_s": useful / v_wall,
+            "ratio_vllm_over_engine": eng_wall / v_wall,
+            "engine_cores_used": eng_cores, "vllm_cores_used": v_cores,
+            "engine_tokens_per_s_per_core": useful / eng_wall / max(eng_cores, 1e-9),
+            "vllm_tokens_per_s_per_core": useful / v_wall / max(v_cores, 1e-9),
+            "engine_wall_s": eng_wall, "vllm_wall_s": v_wall,
+            "engine_latency_s": _percentiles(done_at), "vllm_latency_s": _percentiles(v_done),
+            "torch": torch.__version__, "cpu_count": os.cpu_count(),
+        }
+        print(json.dumps(res))
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump(res, f, indent=2)
+        return res
 
     # --- transformers generate, static batches in arrival order
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -152,6 +186,42 @@ def _run_engine(model, tok, prompts, lengths, args, dtype):
     finally:
         engine.stop()
     return outs, done_at, wall
+
+
+def _run_vllm(model_name, tok, prompts, lengths, args):
+    """All requests at t = 0 through a vLLM server started here (not timed; stopped after):
+    ``(outputs, completion times (s), wall seconds, cores used)``; cores used = the server's CPU
+    seconds during the run over the wall time."""
+    import asyncio
+
+    from conveyor.models import resolve_model_dir
+    from conveyor.rollout.engine import SamplingParams
+    from conveyor.rollout.engine.vllm import VllmEngine, VllmServer
+
+    server = VllmServer(str(resolve_model_dir(model_name)), dtype=args.dtype, max_num_seqs=args.max_batch,
+                        seed=args.seed, kv_cache_gb=2)
+    engine = VllmEngine(server=server, tokenizer=tok)
+    try:
+        engine.start()
+
+        async def run():
+            await asyncio.gather(*[engine.generate(p, SamplingParams(max_new_tokens=4, temperature=0.7))
+                                   for p in prompts[:2]])  # warm-up
+            cpu0, t0 = server.cpu_seconds(), time.perf_counter()
+            done_at = [0.0] * len(prompts)
+
+            async def one(i, p, n):
+                out = await engine.generate(p, SamplingParams(max_new_tokens=n, temperature=0.7, ignore_eos=True))
+                done_at[i] = time.perf_counter() - t0
+                return out
+
+            outs = await asyncio.gather(*[one(i, p, n) for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))])
+            wall = time.perf_counter() - t0
+            return outs, done_at, wall, (server.cpu_seconds() - cpu0) / wall
+
+        return asyncio.run(run())
+    finally:
+        engine.close()
 
 
 def _hf_batch(model, batch: list[list[int]], n: int, pad: int) -> int:

@@ -79,6 +79,6 @@ def test_readme_is_short_and_its_links_resolve():
 def test_readme_set_up_commands_are_what_ci_runs():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    for cmd in ("bash scripts/install.sh", ".venv/bin/python -m pytest -q"):
+    for cmd in ("bash scripts/install.sh --vllm", ".venv/bin/python -m pytest -q"):
         assert f"\n{cmd}\n" in readme, f"README.md's set-up block runs `{cmd}` on a line of its own"
-    assert "bash scripts/install.sh && .venv/bin/python -m pytest -q" in ci
+    assert "bash scripts/install.sh --vllm && .venv/bin/python -m pytest -q" in ci

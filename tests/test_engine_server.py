@@ -1,9 +1,9 @@
 """The engine server (``rollout/engine/server.py``, SGLang-native subset + a vLLM imitation) and
-the remote clients (``rollout/engine/remote.py``: ``HttpEngine``, ``VllmEngine``), against a real
+the remote clients (``rollout/engine/remote.py``: ``HttpEngine``, ``VllmCompletionsEngine``), against a real
 uvicorn server on 127.0.0.1 around an ``InferenceEngine`` on the tiny model.
 
 What is verified against what: ``HttpEngine`` against conveyor's server (not SGLang);
-``VllmEngine`` against conveyor's imitation of vLLM's ``/v1/completions`` (not vLLM).
+``VllmCompletionsEngine`` against conveyor's imitation of vLLM's ``/v1/completions`` (not vLLM).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from conveyor.rollout.engine.remote import (
     EngineRequestError,
     EngineTimeoutError,
     HttpEngine,
-    VllmEngine,
+    VllmCompletionsEngine,
     sglang_to_generation,
 )
 from conveyor.rollout.engine.server import build_app
@@ -486,7 +486,7 @@ def test_generic_engine_text_without_tokenizer_and_errors(tiny):
 # ------------------------------------------------------------------ protocol, mapping
 def test_remote_engines_are_engines_without_network_calls():
     dead = "http://127.0.0.1:9"  # nothing listens there; isinstance must not call it
-    for cls in (HttpEngine, VllmEngine):
+    for cls in (HttpEngine, VllmCompletionsEngine):
         eng = cls(dead, retries=0, timeout=0.5)
         assert isinstance(eng, Engine)
         with pytest.raises(NotImplementedError, match="partial"):
@@ -497,7 +497,7 @@ def test_remote_engines_are_engines_without_network_calls():
             eng.start()
         eng.close()
     with pytest.raises(NotImplementedError, match="vLLM"):
-        VllmEngine(dead).update_weights(WeightUpdate(1, {}))
+        VllmCompletionsEngine(dead).update_weights(WeightUpdate(1, {}))
 
 
 def test_sglang_answer_mapping():
@@ -538,7 +538,7 @@ def test_sglang_answer_mapping():
 # ------------------------------------------------------------------ vLLM client (imitation)
 def test_vllm_client_against_conveyors_imitation(srv):
     engine = srv.engine
-    vllm = VllmEngine(srv.url, api_key=KEY, model="tiny", version=engine.version, retries=0)
+    vllm = VllmCompletionsEngine(srv.url, api_key=KEY, model="tiny", version=engine.version, retries=0)
     vllm.start()
     prompt = _prompt(srv.tok)
     for params in (SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True),
@@ -766,7 +766,7 @@ def test_a_matched_stop_string_is_cut_from_the_text_not_the_ids(srv):
     # looks for its "=" stop string in it)
     params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, stop=(stop,))
     local = _local(srv.engine, prompt, params)
-    vllm = VllmEngine(srv.url, api_key=KEY, model="tiny", version=srv.engine.version, retries=0)
+    vllm = VllmCompletionsEngine(srv.url, api_key=KEY, model="tiny", version=srv.engine.version, retries=0)
     try:
         for client in (srv.http, vllm):
             out = asyncio.run(client.generate(prompt, params))

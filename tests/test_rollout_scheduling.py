@@ -507,3 +507,35 @@ def test_controller_checkpoint_keeps_each_groups_admission_bound():
     third, third_buf = controller(0)
     third.restore(old, version=4)
     assert third_buf.drop_stale(4) == 2
+
+
+class GoneEngine(RecordingEngine):
+    """An engine whose server process died: every request raises EngineGoneError."""
+
+    async def generate(self, prompt_ids, params=None, **kw):
+        from conveyor.rollout.engine.remote import EngineGoneError
+
+        self.calls.append((list(prompt_ids), None))
+        raise EngineGoneError("the vLLM server (pid 1) exited with code -9", None, "http://x")
+
+
+def test_an_engine_whose_server_is_gone_stops_the_controller_at_the_first_failure():
+    """A dead server is not retried episode after episode (max_failed_in_a_row): the first
+    EngineGoneError stops the controller with that error, for the runtime to raise."""
+    import time
+
+    from conveyor.rollout.engine.remote import EngineGoneError
+
+    eng = GoneEngine(False)
+    staleness = StalenessManager(batch_size=2, eta=None, max_concurrent=2)
+    c = RolloutController(eng, TwoTurnWorkflow(), DataStream([Sample(str(i), "q", "1", "t") for i in range(50)]),
+                          staleness, TrajectoryBuffer(None), group_size=2, max_failed_in_a_row=100)
+    c.start()
+    try:
+        deadline = time.monotonic() + 10
+        while c.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert isinstance(c.error, EngineGoneError) and "exited with code -9" in str(c.error)
+        assert c.stats.episodes_failed < 100  # not the 100-in-a-row rule
+    finally:
+        c.stop()

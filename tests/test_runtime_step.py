@@ -224,6 +224,29 @@ def test_run_clock_throughput_and_busy_fractions(monkeypatch):
                                "busy/cpu": pytest.approx(0.8)}  # 48 CPU seconds in 30 s on 2 cores
 
 
+def test_run_clock_counts_an_engine_servers_cpu_and_survives_an_engine_without_counters(monkeypatch):
+    """rollout.engine=vllm: the server's processes' CPU seconds (server_cpu_seconds in the engine's
+    stats) count in busy/cpu; a remote engine reporting no busy time / tokens (SGLang's server)
+    reads as idle instead of breaking the loop's bookkeeping with a KeyError."""
+    import conveyor.runtime.record as rec
+
+    now, cpu = [100.0], [7.0]
+    monkeypatch.setattr(rec.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(rec.time, "process_time", lambda: cpu[0])
+    monkeypatch.setattr(rec.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    stats = [{"busy_seconds": 0.0, "generated_tokens": 0, "server_cpu_seconds": 50.0}]
+    clock = RunClock(lambda: stats[0])
+    now[0], cpu[0] = 110.0, 12.0
+    stats[0] = {"busy_seconds": 8.0, "generated_tokens": 400, "server_cpu_seconds": 62.0}
+    m = clock.tick()
+    assert m["busy/cpu"] == pytest.approx(0.85)  # (5 + 12) CPU seconds in 10 s on 2 cores
+    assert m["busy/engine"] == pytest.approx(0.8)
+    bare = RunClock(lambda: {"version": 3, "base_url": "http://sglang"})
+    now[0] = 120.0
+    m = bare.tick()
+    assert m["busy/engine"] == 0.0 and m["throughput/generated_tokens_per_s"] == 0.0
+
+
 def test_step_recorder_logs_row_batch_and_named_events():
     class Logger:
         def __init__(self):

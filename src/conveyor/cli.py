@@ -836,7 +836,7 @@ def serve_cmd(
     """Serve a model over HTTP with SGLang's native API (/generate, /update_weights_from_disk,
     /pause_generation, /continue_generation, /abort_request, /health, /get_model_info,
     /get_weight_version), /conveyor/stats, and a minimal imitation of vLLM's /v1/completions
-    (token-id prompts). Clients: conveyor.rollout.engine.remote.HttpEngine / VllmEngine.
+    (token-id prompts). Clients: conveyor.rollout.engine.remote.HttpEngine / VllmCompletionsEngine.
     """
     from rich.markup import escape
 

@@ -1002,8 +1002,6 @@ def remote_engine_blockers(cfg: TrainConfig) -> list[str]:
          "use update or auto", cfg.trainer.reference_scoring in ("idle_engine", "background")),
         ("lora.sync=adapter (the server reloads merged weights from disk): set lora.sync=merged",
          cfg.lora.enabled and cfg.lora.sync == "adapter"),
-        ("runtime.name=ray (each Ray engine actor is a local engine today): use runtime.name=inline",
-         cfg.runtime.name == "ray"),
         (f"rollout.engine_device={r.engine_device} (the server picks its device): leave it auto",
          r.engine_device != "auto"),
     ) if bad]

@@ -701,6 +701,9 @@ def calibrate(run_dir: str | Path, notes: list[str] | None = None) -> SimConfig:
     conf = json.loads(paths["config.json"].read_text())
     eng = json.loads(paths["engine_stats.json"].read_text())
     prof = {int(b): v for b, v in eng.get("decode_profile", {}).items()}
+    if not prof and eng.get("engine") in ("vllm", "sglang"):
+        raise ValueError(f"{paths['engine_stats.json']}: the run generated with rollout.engine={eng['engine']}, whose "
+                         "server reports no per-batch decode profile; calibrate from a run with rollout.engine=local")
     if not prof:
         raise ValueError(f"{paths['engine_stats.json']}: no decode_profile (no decode step was run)")
     bs = sorted(prof)

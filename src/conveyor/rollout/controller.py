@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from conveyor.data import DatasetError
 from conveyor.rollout.buffer import IN_FORCE, TrajectoryBuffer, judged_bound
 from conveyor.rollout.engine import PromptTooLongError
+from conveyor.rollout.engine.remote import EngineGoneError
 from conveyor.rollout.old_logprobs import OldLogprobBook
 from conveyor.rollout.staleness import StalenessManager
 from conveyor.rollout.workflow import RolloutWorkflow
@@ -537,6 +538,9 @@ class RolloutController:
                 self._ledger.append({"sample": sample.id, "outcome": "failed",
                                      "error": self.stats.last_error[:200]})
             self.staleness.on_reject(G)
+            if isinstance(e, EngineGoneError) and self.error is None:  # the engine's server died: stop now
+                self.error = e
+                self._stop.set()
             if self._failed_in_a_row >= self.max_failed_in_a_row and self.error is None:
                 groups = (f" (groups of rollout.group_size={G} episodes: one raising episode fails its group, as "
                           "the group's advantages need every member)" if G > 1 else "")

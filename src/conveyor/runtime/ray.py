@@ -292,6 +292,7 @@ class RolloutActor:
         self._sync_lock = threading.Lock()
         self._syncs: dict[int, concurrent.futures.Future] = {}  # version -> its update's outcome (retries join)
         self._engine_actors: list = []  # every engine actor started (replacements too)
+        self._remote: list = []  # rollout.engine=vllm / sglang: the engines (their servers) of this actor
 
     # ------------------------------------------------------------------ build
     def setup(self, cfg, train_samples: list, weights, *, engine_threads: int, track_partials: bool,
@@ -347,11 +348,17 @@ class RolloutActor:
         version = weights.version
         reward_fn = cfg.reward.fn  # the workers import it by path (checked by the driver; nothing pickled)
         n = cfg.rollout.num_engines
-        engine0, self.tokenizer, model_s = build_local_engine(cfg, weights, seed_index=0,
-                                                              engine_threads=engine_threads,
-                                                              track_partials=track_partials)
-        engine_pids = [os.getpid()]
-        if n == 1:
+        if cfg.rollout.engine != "local":  # rollout.engine=vllm / sglang: servers, one per engine
+            self.engine, engine_pids, model_s = self._remote_engines_setup(cfg, weights, version)
+            n = 0  # (no local engine, no engine actors)
+        else:
+            engine0, self.tokenizer, model_s = build_local_engine(cfg, weights, seed_index=0,
+                                                                  engine_threads=engine_threads,
+                                                                  track_partials=track_partials)
+            engine_pids = [os.getpid()]
+        if n == 0:
+            pass
+        elif n == 1:
             self.engine = engine0
         else:
             import ray
@@ -591,6 +598,41 @@ class RolloutActor:
         return evaluate(self.engine, self.tokenizer, samples, progress=False, reward_service=self.reward_service,
                         **kwargs)
 
+    def _remote_engines_setup(self, cfg, weights, version: int):
+        """``rollout.engine=vllm`` / ``sglang`` in this actor: one engine per ``rollout.num_engines``,
+        each owning its vLLM server (started here, on this actor's node; its log and weight files
+        in temporary files) or on ``rollout.vllm.url`` / ``rollout.sglang.url``, started and given
+        ``weights``; an :class:`~conveyor.rollout.engine.router.EngineRouter` over several (group
+        affinity, weights to every server). Returns ``(engine, pids, seconds)``."""
+        from conveyor.models import load_tokenizer
+        from conveyor.rollout.engine.router import EngineRouter
+        from conveyor.runtime.inline import make_remote_engine
+
+        t0 = time.perf_counter()
+        self.tokenizer = load_tokenizer(cfg.model.name)
+        n = cfg.rollout.num_engines
+        engines = [make_remote_engine(cfg, self.tokenizer, version=version, index=i, run_dir=None) for i in range(n)]
+        self._remote = engines
+        try:
+            for e in engines:
+                e.start()
+                if hasattr(e, "load_weights"):
+                    e.load_weights(weights)  # the trainer's exact parameters, also on a resume
+        except BaseException:
+            self._close_remote()
+            raise
+        pids = [os.getpid()] + [e.server.pid for e in engines if getattr(e, "server", None) is not None]
+        engine = engines[0] if n == 1 else EngineRouter(engines, restart=None, max_batch_size=cfg.rollout.max_batch_size)
+        return engine, pids, time.perf_counter() - t0
+
+    def _close_remote(self) -> None:
+        for e in getattr(self, "_remote", []):
+            try:
+                e.close()  # an owned server stops with it
+            except Exception:
+                log.exception("closing a remote engine")
+        self._remote = []
+
     def close_rewards(self) -> None:
         """Close the reward service (its worker processes)."""
         if self.reward_service is not None:
@@ -601,7 +643,8 @@ class RolloutActor:
         endpoint of ``env.name=openai:...``) and the reward service (idempotent)."""
         close_workflow = getattr(self.workflow, "close", None)
         for f in (self.controller_stop, lambda: self.engine is not None and self.engine.stop(),
-                  lambda: close_workflow is not None and close_workflow(), self.close_rewards, self._kill_engines):
+                  lambda: close_workflow is not None and close_workflow(), self.close_rewards, self._kill_engines,
+                  self._close_remote):
             try:
                 f()
             except Exception:

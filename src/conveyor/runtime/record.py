@@ -60,7 +60,10 @@ class RunClock:
         ``stats["num_engines"]`` engines of an :class:`~conveyor.rollout.engine.router.EngineRouter`;
         ``stats``: a snapshot to read)."""
         stats = stats if stats is not None else self.engine_stats()
-        return (stats["busy_seconds"] - self.eng0["busy_seconds"]) / max(1, int(stats.get("num_engines", 1)))
+        # .get: a remote engine that reports no busy time (SGLang's server) reads as never busy, it
+        # does not break the loop's bookkeeping
+        busy = float(stats.get("busy_seconds", 0.0)) - float(self.eng0.get("busy_seconds", 0.0))
+        return busy / max(1, int(stats.get("num_engines", 1)))
 
     def cpu_busy(self, wall_s: float | None = None) -> float:
         """The share of the machine's cores this process kept busy since the segment started:
@@ -97,7 +100,7 @@ class RunClock:
         wall = now - self.t_start
         out = {
             "throughput/generated_tokens_per_s":
-                (eng["generated_tokens"] - self._last_eng["generated_tokens"]) / max(1e-9, now - self._last_t),
+                (eng.get("generated_tokens", 0) - self._last_eng.get("generated_tokens", 0)) / max(1e-9, now - self._last_t),
             "busy/trainer": self.trainer_busy / wall,
             "busy/engine": self.engine_busy_since_start(eng) / wall,
             "busy/cpu": self.cpu_busy(wall),

@@ -63,8 +63,12 @@ Package layout (import from ``conveyor.rollout.engine``):
   engine, a dead engine replaced and its requests run again);
 * :mod:`~conveyor.rollout.engine.server` -- ``build_app`` / ``serve``: the engine over HTTP with
   SGLang's native API (``conveyor serve``; imports FastAPI, so not imported here);
-* :mod:`~conveyor.rollout.engine.remote` -- ``HttpEngine`` (SGLang API) and ``VllmEngine``
-  (vLLM's ``/v1/completions``): ``Engine`` clients of a server (import from there).
+* :mod:`~conveyor.rollout.engine.remote` -- ``HttpEngine`` (SGLang API) and ``VllmCompletionsEngine``
+  (an OpenAI ``/v1/completions`` server, generation only): ``Engine`` clients of a server (import
+  from there);
+* :mod:`~conveyor.rollout.engine.vllm` -- ``VllmEngine`` (``rollout.engine=vllm``: a vLLM server
+  with weight sync every version and exact per-token versions) and ``VllmServer`` (starts,
+  health-checks and stops one).
 
 Module-level tunables are read from the module that uses them (``kv_cache._KV_GROWTH``,
 ``local._PREFILL_MAX_TOKENS``, ``sampling._CDF_BLOCK`` / ``_TOP_P_CANDIDATES``): patch them there.

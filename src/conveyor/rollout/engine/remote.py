@@ -1,11 +1,13 @@
 """Remote engines: :class:`HttpEngine` (SGLang's native HTTP API, served by ``conveyor serve`` or by
-SGLang itself) and :class:`VllmEngine` (vLLM's OpenAI-compatible ``/v1/completions``), both
-implementing the :class:`~conveyor.rollout.engine.protocol.Engine` protocol with ``httpx``.
+SGLang itself) and :class:`VllmCompletionsEngine` (an OpenAI-compatible ``/v1/completions`` server,
+no weight sync), both implementing the :class:`~conveyor.rollout.engine.protocol.Engine` protocol
+with ``httpx``. The vLLM engine that trains (weight sync, exact versions, a supervised server) is
+:class:`conveyor.rollout.engine.vllm.VllmEngine`; ``remote.VllmEngine`` names it too.
 
 Field names and shapes are those of docs/notes/scale_out_survey.md sections 3 and 5.5 (SGLang's
 ``io_struct.py`` / ``http_server.py``; vLLM's completions answer as AReaL's ``VLLMBackend`` reads
 it). What was verified against what: both clients are tested against conveyor's own server
-(``conveyor/rollout/engine/server.py``), ``VllmEngine`` against that server's *imitation* of
+(``conveyor/rollout/engine/server.py``), ``VllmCompletionsEngine`` against that server's *imitation* of
 vLLM's shapes; neither has been run against a real SGLang or vLLM server in this repository.
 
 Generation is async (one ``httpx.AsyncClient`` per call, so any event loop in any thread can
@@ -74,6 +76,12 @@ class EngineHTTPError(RuntimeError):
     def __init__(self, message: str, status: int | None, url: str):
         super().__init__(message)
         self.status, self.url = status, url
+
+
+class EngineGoneError(EngineHTTPError):
+    """The engine's server process is gone (it exited or was killed): nothing more can be generated
+    by it, so the rollout controller stops the run at once instead of failing episode after
+    episode (the message names the process, its exit code and its log)."""
 
 
 class _NoLocalModel:
@@ -649,9 +657,13 @@ class HttpEngine(_RemoteEngine):
         super().close()
 
 
-class VllmEngine(_RemoteEngine):
-    """An :class:`~conveyor.rollout.engine.protocol.Engine` on vLLM's OpenAI-compatible server
-    (data plane) and its RL control routes ``/pause`` / ``/resume``.
+class VllmCompletionsEngine(_RemoteEngine):
+    """An :class:`~conveyor.rollout.engine.protocol.Engine` on an OpenAI-compatible completions
+    server (vLLM's ``/v1/completions``; data plane) and vLLM's RL control routes ``/pause`` /
+    ``/resume``: generation only (evaluation), no weight sync. For training with vLLM use
+    :class:`conveyor.rollout.engine.vllm.VllmEngine` (``rollout.engine=vllm``), which syncs
+    weights, stamps exact versions and is tested against a real vLLM server. This class was
+    ``remote.VllmEngine`` before that one existed.
 
     Verified against conveyor's *imitation* of these routes (``conveyor serve``), not against
     vLLM. Requests: ``POST /v1/completions`` with ``prompt`` (token ids), ``max_tokens``,
@@ -733,9 +745,9 @@ class VllmEngine(_RemoteEngine):
                 over NCCL / IPC; use :class:`HttpEngine` with ``conveyor serve`` or SGLang).
         """
         raise NotImplementedError(
-            "VllmEngine.update_weights: vLLM loads new weights through its weight-transfer "
+            "VllmCompletionsEngine.update_weights: vLLM loads new weights through its weight-transfer "
             "routes (/init_weight_transfer_engine, /update_weights over NCCL/IPC), which conveyor "
-            "does not implement; use HttpEngine against conveyor serve or SGLang"
+            "does not implement here; use conveyor.rollout.engine.vllm.VllmEngine (rollout.engine=vllm)"
         )
 
     async def generate(
@@ -757,7 +769,7 @@ class VllmEngine(_RemoteEngine):
         params = params or SamplingParams()
         if params.truncated and not self.allow_truncated:
             raise ValueError(
-                "VllmEngine: vLLM returns no kept sets for top_k / top_p / min_p sampling (and "
+                "VllmCompletionsEngine: vLLM returns no kept sets for top_k / top_p / min_p sampling (and "
                 "raw log-probs by default), so the trainer could not replay them; sample "
                 "without truncation or pass allow_truncated=True")
         if isinstance(prompt_ids, torch.Tensor):
@@ -803,3 +815,13 @@ class VllmEngine(_RemoteEngine):
             versions=[version] * len(ids), finish_reason=reason,
             text=str(choice.get("text") or ""), num_interruptions=0,
         )
+
+
+def __getattr__(name: str):
+    """``remote.VllmEngine``: the training vLLM engine, :class:`conveyor.rollout.engine.vllm.VllmEngine`
+    (imported lazily: that module imports this one)."""
+    if name == "VllmEngine":
+        from conveyor.rollout.engine.vllm import VllmEngine
+
+        return VllmEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

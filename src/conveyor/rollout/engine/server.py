@@ -18,7 +18,7 @@ drives this server and a stock SGLang server alike. Endpoints:
 * conveyor only: ``GET /conveyor/stats`` (``engine.stats()``).
 * A minimal imitation of vLLM's OpenAI ``POST /v1/completions`` (token-id prompts only) and of its
   RL control routes ``POST /pause?mode=``, ``POST /resume``, ``GET /is_paused``, so that
-  :class:`~conveyor.rollout.engine.remote.VllmEngine` can be tested without vLLM. Tests against
+  :class:`~conveyor.rollout.engine.remote.VllmCompletionsEngine` can be tested without vLLM. Tests against
   it verify the client against conveyor's imitation of vLLM's shapes, not against vLLM.
 
 Errors are JSON ``{"error": {"message", "field"}}`` (SGLang's ``{"error": {"message"}}`` plus the

@@ -59,6 +59,7 @@ import httpx
 import torch
 
 from conveyor.rollout.engine.remote import (
+    EngineGoneError,
     EngineHTTPError,
     EngineRequestError,
     EngineTimeoutError,
@@ -616,8 +617,9 @@ class VllmEngine(_RemoteEngine):
             self._call("POST", "/update_weight_version", json={"new_version": str(update.version)})
             self._call("POST", "/reset_prefix_cache")
             self._call("POST", "/resume")
-        except BaseException:
+        except BaseException as e:
             log.error("vLLM weight update to version %d failed; the server is left paused", update.version)
+            self._raise_if_gone(e)
             raise
         t_server = time.perf_counter() - t1
         self._version = update.version
@@ -679,13 +681,17 @@ class VllmEngine(_RemoteEngine):
         return out
 
     def close(self) -> None:
-        """Stop the client, the update thread and the owned server (if any); idempotent."""
+        """Stop the client, the update thread and the owned server (if any), and delete the weight
+        files this client wrote; idempotent."""
         self._stopped = True
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
         if self.server is not None:
             self.server.stop()
+        for path in self._written:  # the weight messages (the run's checkpoints hold the weights)
+            shutil.rmtree(path, ignore_errors=True)
+        self._written = []
         with contextlib.suppress(Exception):
             super().close()
 
@@ -784,6 +790,9 @@ class VllmEngine(_RemoteEngine):
             try:
                 data = await self._post_async("/inference/v1/generate",
                                               self._body(prompt + ids, params, remaining, segment, rid))
+            except (EngineHTTPError, EngineTimeoutError) as e:
+                self._raise_if_gone(e)
+                raise
             finally:
                 self._busy_exit()
                 self._inflight.discard(rid)
@@ -811,6 +820,14 @@ class VllmEngine(_RemoteEngine):
                 else "".join(texts))
         return GenerationOutput(prompt_ids=prompt, token_ids=ids, logprobs=lps, versions=vers, finish_reason=reason,
                                 text=text, num_interruptions=interruptions, key=key)
+
+    def _raise_if_gone(self, error: Exception) -> None:
+        """Raise :class:`EngineGoneError` (from ``error``) when the server this engine started has
+        exited: its exit code and the end of its log say why."""
+        srv = self.server
+        if srv is not None and srv.proc is not None and srv.proc.poll() is not None:
+            raise EngineGoneError(f"the vLLM server (pid {srv.proc.pid}) exited with code {srv.proc.returncode}; "
+                                  f"its log {srv.log_path} ends:\n{srv.log_tail(8)}", None, self.base_url) from error
 
     def _parse(self, data: Any, fallback: int) -> tuple[list[int], list[float], list[int], str, str]:
         try:
