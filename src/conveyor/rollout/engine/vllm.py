@@ -649,7 +649,8 @@ class VllmEngine(_RemoteEngine):
         leaves the server entries out; this never raises.
 
         Returns:
-            A dict with ``version``, ``base_url``, ``engine="vllm"``, ``busy_seconds`` (s),
+            A dict with ``version``, ``base_url``, ``engine="vllm"``, ``dtype`` (the server's),
+            ``busy_seconds`` (s),
             ``generated_tokens``, ``reencoded_tokens``, ``requests``, ``segments``,
             ``interruptions``, ``pause_seconds_total`` (s), ``weight_syncs``,
             ``weight_sync_bytes_total``, ``weight_sync_write_seconds_total`` /
@@ -663,6 +664,7 @@ class VllmEngine(_RemoteEngine):
         with self._c_lock:
             busy = self._busy + (now - self._busy_since if self._busy_since is not None else 0.0)
             out: dict[str, Any] = {"engine": "vllm", "version": self._version, "base_url": self.base_url,
+                                   "dtype": str(self.server_config.get("dtype") or "").removeprefix("torch.") or None,
                                    "busy_seconds": busy, "uptime_seconds": now - self._t0,
                                    **self._counts, **self._sync}
         cpu = self.server.cpu_seconds() if self.server is not None else None
