@@ -531,7 +531,9 @@ def test_process_service_kills_gil_holding_math_verify_hang() -> None:
         t0 = time.monotonic()
         hung = svc.score_sync(r"\boxed{9^{9^{9^{9}}}}", s)
         assert hung.failed and "timeout" in (hung.error or "")
-        assert time.monotonic() - t0 < 8.0
+        # killed, not waited for: the computation itself runs for hours; the margin is for a loaded
+        # machine (8 s was missed beside a CPU-heavy job, issue 44 section 6)
+        assert time.monotonic() - t0 < 120.0
         assert svc.score_sync(r"\boxed{1}", s).score == pytest.approx(1.1)
         assert svc.stats["worker_restarts"] == 1
 

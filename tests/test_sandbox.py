@@ -107,13 +107,16 @@ def test_infinite_loop_is_stopped_by_the_cpu_limit():
 
 
 def test_sleeping_forever_is_killed_at_the_wall_time_limit():
-    cfg = SandboxConfig(wall_s=1.5)
+    # wall_s leaves a loaded machine time to start Python in the sandbox and print (at 1.5 s a busy
+    # 2-core machine printed nothing first, issue 44 section 6); the bound on the elapsed time only
+    # has to tell a kill from the 1,000 s sleep
+    cfg = SandboxConfig(wall_s=6.0)
     t0 = time.monotonic()
     r = run("import time\nprint('started')\ntime.sleep(1000)", cfg)
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < 120.0
     assert r.incident == "timeout" and r.exit_code is None
     assert r.observation.startswith("started\n")  # unbuffered: output before the kill survives
-    assert "Error: time limit 1.5 s exceeded" in r.observation
+    assert "Error: time limit 6 s exceeded" in r.observation
 
 
 def test_fork_bomb_hits_the_process_limit_and_leaves_nothing():
