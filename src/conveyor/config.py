@@ -249,7 +249,7 @@ class EnvConfig(_Strict):
         if v is None:
             return "none"  # `env.name=none` on the command line parses as null
         if isinstance(v, str):
-            from conveyor.envs.registry import BUILTIN_ENVS
+            from conveyor.envs.names import BUILTIN_ENVS
 
             v = v.strip()
             if v.startswith("openai:") and not all(v[len("openai:"):].partition(":")[::2]):
@@ -918,7 +918,7 @@ class TrainConfig(_Strict):
         if name == "guess" and self.reward.fn != "correctness":
             raise ValueError(f"env.name=guess with reward.fn={self.reward.fn}: guess-the-number's rewards come from "
                              "the environment (per turn), reward.fn would be unused; leave reward.fn=correctness")
-        from conveyor.envs.registry import ENV_DATA
+        from conveyor.envs.names import ENV_DATA
 
         if name in ENV_DATA:
             train, heldout = ENV_DATA[name]

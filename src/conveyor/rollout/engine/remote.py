@@ -2,7 +2,8 @@
 SGLang itself) and :class:`VllmCompletionsEngine` (an OpenAI-compatible ``/v1/completions`` server,
 no weight sync), both implementing the :class:`~conveyor.rollout.engine.protocol.Engine` protocol
 with ``httpx``. The vLLM engine that trains (weight sync, exact versions, a supervised server) is
-:class:`conveyor.rollout.engine.vllm.VllmEngine`; ``remote.VllmEngine`` names it too.
+:class:`conveyor.rollout.engine.vllm.VllmEngine` (this module's former ``VllmEngine`` is
+:class:`VllmCompletionsEngine`).
 
 Field names and shapes are those of docs/notes/scale_out_survey.md sections 3 and 5.5 (SGLang's
 ``io_struct.py`` / ``http_server.py``; vLLM's completions answer as AReaL's ``VLLMBackend`` reads
@@ -663,7 +664,7 @@ class VllmCompletionsEngine(_RemoteEngine):
     ``/resume``: generation only (evaluation), no weight sync. For training with vLLM use
     :class:`conveyor.rollout.engine.vllm.VllmEngine` (``rollout.engine=vllm``), which syncs
     weights, stamps exact versions and is tested against a real vLLM server. This class was
-    ``remote.VllmEngine`` before that one existed.
+    ``remote.VllmEngine`` before that one existed (import that one from ``conveyor.rollout.engine.vllm``).
 
     Verified against conveyor's *imitation* of these routes (``conveyor serve``), not against
     vLLM. Requests: ``POST /v1/completions`` with ``prompt`` (token ids), ``max_tokens``,
@@ -816,12 +817,3 @@ class VllmCompletionsEngine(_RemoteEngine):
             text=str(choice.get("text") or ""), num_interruptions=0,
         )
 
-
-def __getattr__(name: str):
-    """``remote.VllmEngine``: the training vLLM engine, :class:`conveyor.rollout.engine.vllm.VllmEngine`
-    (imported lazily: that module imports this one)."""
-    if name == "VllmEngine":
-        from conveyor.rollout.engine.vllm import VllmEngine
-
-        return VllmEngine
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
