@@ -133,7 +133,7 @@ def reward_run(reward_module, tmp_path_factory):
     cfg = load_config(None, [
         "model.name=tiny", "trainer.batch_size=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
         "data.heldout_limit=3", "run.eval_max_new_tokens=6", "run.progress=false", "run.export=true",
-        "run.eval_before=false", "reward.workers=1", "trainer.total_steps=1", "rollout.tool=none",
+        "run.eval_before=false", "reward.workers=1", "trainer.total_steps=2", "run.eval_every=1", "rollout.tool=none",
         "trainer.num_threads=1", "rollout.engine_threads=1", f"reward.fn={reward_module}:score",
         "reward.pass_threshold=0.75", f"run.dir={run}"])
     run_training(cfg)
@@ -177,3 +177,16 @@ def test_eval_reward_flag_overrides_and_is_checked_before_the_model_loads(reward
     assert r.exit_code == 2 and "--reward nosuchmodule_xyz:fn" in r.output and "not found" in r.output, r.output
     r = CliRunner().invoke(app, ["eval", "--model", "tiny", "--pass-threshold", "0.5", "--n", "1"])
     assert r.exit_code == 2 and "--pass-threshold needs --reward" in r.output, r.output
+
+
+def test_the_mid_run_heldout_curve_has_the_mean_reward(reward_run):
+    """run.eval_every with a user's reward.fn: the held-out point at version 1 records the mean
+    reward beside pass@1 (TensorBoard heldout/reward_mean) and its file names the grader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    mid = json.loads((reward_run / "eval_step_1.json").read_text())
+    assert mid["reward_fn"] == "evalrewards:score" and mid["reward_mean"] is not None
+    acc = EventAccumulator(str(reward_run / "tb"))
+    acc.Reload()
+    points = {e.step: e.value for e in acc.Scalars("heldout/reward_mean")}
+    assert points[1] == pytest.approx(mid["reward_mean"])

@@ -29,7 +29,7 @@ import torch
 from conveyor.checkpoint import save_checkpoint
 from conveyor.config import TrainConfig, resolve_reference_scoring
 from conveyor.data import DatasetError
-from conveyor.eval import evaluate, run_grader_kwargs, unknown_note
+from conveyor.eval import evaluate, reward_note, run_grader_kwargs, unknown_note
 from conveyor.faults import fault_point
 from conveyor.rewards import RewardService
 from conveyor.rewards.guard import FailedRewardSteps
@@ -661,10 +661,13 @@ def train_loop(cfg: TrainConfig, trainer: Trainer, parts: RolloutSide, logger: M
                     res = heldout_eval(engine, tokenizer, cfg, heldout, f"step_{trainer.version}", logger, run_dir,
                                        False, parts.reward_service, evaluate_fn=parts.evaluate,
                                        version=trainer.version, policy=eval_policy(cfg, trainer))
-                    logger.scalars(trainer.version, {"heldout/pass_at_1": res.pass_at_1,
-                                                     "heldout/format_rate": res.format_rate})
+                    curve = {"heldout/pass_at_1": res.pass_at_1, "heldout/format_rate": res.format_rate}
+                    if res.reward_mean is not None:  # graded by the user's reward.fn (issue 44)
+                        curve["heldout/reward_mean"] = res.reward_mean
+                    logger.scalars(trainer.version, curve)
                     console.print(f"  held-out pass@1 at version {trainer.version}: {res.pass_at_1:.3f} "
-                                  f"({res.wall_seconds + res.check_seconds:.0f} s)" + unknown_note(res))
+                                  f"({res.wall_seconds + res.check_seconds:.0f} s)" + unknown_note(res)
+                                  + reward_note(res))
                     steering.after_eval(trainer.version, res.pass_at_1)
                 runtime_state = {"steering": steering.state_dict()}
                 if runtime_state != sent_state:  # for the checkpoints; unchanged: no call (an actor call on Ray)
