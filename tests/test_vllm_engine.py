@@ -385,7 +385,10 @@ def test_train_with_vllm_end_to_end(vllm_server, tiny_dir, tmp_path, runtime):
     assert res.steps == 2 and not res.interrupted
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    assert all(0 < r["busy/engine"] <= 1 and r["throughput/generated_tokens_per_s"] > 0 for r in rows)
+    assert all(0 < r["busy/engine"] <= 1 for r in rows)  # cumulative: the engine worked from the first step
+    # tokens per step: a step whose batch was generated before the previous step's row may read 0
+    assert all(r["throughput/generated_tokens_per_s"] >= 0 for r in rows)
+    assert sum(r["throughput/generated_tokens_per_s"] for r in rows) > 0
     eng = json.loads((run / "engine_stats.json").read_text())
     assert eng["engine"] == "vllm" and eng["weight_syncs"] == 3  # the start (a foreign server) + 2 versions
     assert eng["version"] == 2
