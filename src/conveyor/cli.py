@@ -400,6 +400,9 @@ def eval_cmd(
         except (VllmServerError, OSError, RuntimeError) as e:
             engine.close()
             _fail(str(e))
+        except BaseException:  # Ctrl-C while the server starts: never leave it running
+            engine.close()
+            raise
     elif engine_name == "local":
         engine = InferenceEngine(lm.model, lm.tokenizer, max_batch_size=batch_size, seed=seed, device=engine_device)
         engine.start()

@@ -260,7 +260,7 @@ class VllmServer:
         env.pop("VIRTUAL_ENV", None)
         env.update(self.env)
         # the worker extension, importable as conveyor_vllm_worker_ext (nothing else of conveyor's)
-        ext_dir = Path(tempfile.mkdtemp(prefix="conveyor-vllm-ext-"))
+        ext_dir = self._ext_dir = Path(tempfile.mkdtemp(prefix="conveyor-vllm-ext-"))
         shutil.copyfile(Path(__file__).with_name("vllm_worker_ext.py"), ext_dir / "conveyor_vllm_worker_ext.py")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ext_dir), env.get("PYTHONPATH")) if p)
         cmd = self.command()
@@ -289,6 +289,9 @@ class VllmServer:
     def stop(self) -> None:
         """End the server's process group: SIGTERM, then SIGKILL after ``stop_timeout_s`` to
         whatever of the group still runs. Idempotent; never raises."""
+        ext, self._ext_dir = getattr(self, "_ext_dir", None), None
+        if ext is not None:
+            shutil.rmtree(ext, ignore_errors=True)
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -507,11 +510,9 @@ class VllmEngine(_RemoteEngine):
         self.server_config = {"dtype": model.get("dtype"), "max_model_len": self.max_model_len,
                               "max_num_seqs": self.max_num_seqs, "model": model.get("model"),
                               "served_model_name": model.get("served_model_name")}
-        try:
-            self._call("POST", "/collective_rpc", json={"method": "conveyor_extension_version"}, retries=0)
-            self.has_extension = True
-        except (EngineHTTPError, EngineRequestError):
-            self.has_extension = False
+        # read from the config, not probed: an unknown collective_rpc method kills a vLLM 0.32 server
+        ext = (cfg.get("parallel_config") or {}).get("worker_extension_cls") or ""
+        self.has_extension = str(ext).endswith("ConveyorWorkerExtension")
         r = self._client.post(self.base_url + "/inference/v1/generate", json={})
         if r.status_code in (403, 404):
             raise VllmServerError(f"{where} does not serve /inference/v1/generate (HTTP {r.status_code}): start it "
