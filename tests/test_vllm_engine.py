@@ -394,3 +394,23 @@ def test_train_with_vllm_end_to_end(vllm_server, tiny_dir, tmp_path, runtime):
     assert eng["version"] == 2
     trained = [json.loads(x) for x in (run / "trained.jsonl").read_text().splitlines()]
     assert trained and json.loads((run / "eval_after.json").read_text())["policy_version"] == 2
+
+
+def test_train_reports_a_vllm_server_problem_in_one_line(monkeypatch):
+    """conveyor train: a vLLM server that cannot start (or an engine server that cannot be
+    reached) is an `error:` line with the message, not a traceback."""
+    from typer.testing import CliRunner
+
+    import conveyor.cli as cli
+    import conveyor.train as train_mod
+    from conveyor.rollout.engine.remote import EngineHTTPError
+
+    for exc, code in ((VllmServerError("rollout.vllm.python=/nope: no such file"), 2),
+                      (EngineHTTPError("GET http://127.0.0.1:9/health failed: refused", None, "http://127.0.0.1:9"), 1)):
+        def boom(*a, exc=exc, **k):
+            raise exc
+        monkeypatch.setattr(train_mod, "run_training", boom)
+        monkeypatch.setattr(cli, "run_training", boom, raising=False)
+        r = CliRunner().invoke(cli.app, ["train", "model.name=tiny", "rollout.engine=vllm"])
+        assert r.exit_code == code, r.output
+        assert "error:" in r.output and str(exc).split(":")[0] in r.output and "Traceback" not in r.output

@@ -479,11 +479,16 @@ def train_cmd(
     handler = logging.FileHandler("/dev/null") if quiet else console_log_handler()
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, handlers=[handler])
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request to a remote engine otherwise
+    from conveyor.rollout.engine.remote import EngineHTTPError
+    from conveyor.rollout.engine.vllm import VllmServerError
+
     try:
         res = run_training(cfg, resume_dir=resume, console=console)
     except (FileExistsError, FileNotFoundError, ModelLoadError, DatasetError, ConfigError,
-            RunFileError) as e:
+            RunFileError, VllmServerError) as e:
         _fail(str(e))
+    except EngineHTTPError as e:  # a remote engine's server that cannot be reached at start or died
+        _fail(str(e), code=1)
     except StopNow as e:  # a second Ctrl-C: threads and workers are stopped; say what was saved
         console.print(e.report, style="yellow", soft_wrap=True, markup=False, emoji=False)
         sys.exit(128 + int(e.signum or 2))  # the shell's convention: 130 SIGINT, 143 SIGTERM
