@@ -124,16 +124,9 @@ def _fake_server(tmp_path, mode, **kw) -> VllmServer:
 
 
 def _pids_in_group(pgid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                f = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(f[2]) == pgid and f[0] != "Z":  # zombies are dead, waiting for their reaper
-                    out.append(int(d.name))
-            except (OSError, IndexError):
-                pass
-    return out
+    from conveyor.rollout.engine.vllm import _group_members
+
+    return _group_members(pgid)  # zombies are dead, waiting for their reaper: not counted
 
 
 def test_server_supervisor_starts_checks_health_and_stops_the_whole_group(tmp_path):

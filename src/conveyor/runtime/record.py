@@ -65,7 +65,7 @@ class RunClock:
         busy = float(stats.get("busy_seconds", 0.0)) - float(self.eng0.get("busy_seconds", 0.0))
         return busy / max(1, int(stats.get("num_engines", 1)))
 
-    def cpu_busy(self, wall_s: float | None = None) -> float:
+    def cpu_busy(self, wall_s: float | None = None, stats: dict | None = None) -> float:
         """The share of the machine's cores this process kept busy since the segment started:
         the CPU seconds of all its threads (``time.process_time``: user + system, every thread of
         the engine, the trainer, the reference scorer, ...; not child processes such as reward
@@ -78,7 +78,8 @@ class RunClock:
         wall_s = max(self.wall() if wall_s is None else wall_s, 1e-9)
         cpu = time.process_time() - self.cpu_start
         if "server_cpu_seconds" in self.eng0:  # an engine server this run started (rollout.engine=vllm)
-            cpu += max(0.0, float(self.engine_stats().get("server_cpu_seconds", 0.0)) - self.eng0["server_cpu_seconds"])
+            stats = stats if stats is not None else self.engine_stats()  # (a snapshot the caller has: no second fetch)
+            cpu += max(0.0, float(stats.get("server_cpu_seconds", 0.0)) - self.eng0["server_cpu_seconds"])
         return cpu / (wall_s * self.cores)
 
     def busy(self, trainer_busy_s: float) -> dict[str, float]:
@@ -103,7 +104,7 @@ class RunClock:
                 (eng.get("generated_tokens", 0) - self._last_eng.get("generated_tokens", 0)) / max(1e-9, now - self._last_t),
             "busy/trainer": self.trainer_busy / wall,
             "busy/engine": self.engine_busy_since_start(eng) / wall,
-            "busy/cpu": self.cpu_busy(wall),
+            "busy/cpu": self.cpu_busy(wall, eng),
             "time/step_wall_s": now - self._last_t,
             "time/elapsed_s": wall,
             "engine/pause_seconds_total": eng.get("pause_seconds_total", 0.0),

@@ -211,17 +211,7 @@ class VllmServer:
         the server is not running."""
         if not self.alive() or not Path("/proc").is_dir():
             return None
-        pgid, total, tick = self.proc.pid, 0, os.sysconf("SC_CLK_TCK")
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit():
-                continue
-            try:
-                f = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(f[2]) == pgid:  # fields after the name: state ppid pgrp ... utime(11) stime(12)
-                total += int(f[11]) + int(f[12])
-        return total / tick
+        return sum(ticks for _, _, ticks in _group_procs(self.proc.pid)) / os.sysconf("SC_CLK_TCK")
 
     def alive(self) -> bool:
         """True while the server process runs."""
@@ -312,6 +302,21 @@ class VllmServer:
         log.info("vLLM server (pid %d) stopped", proc.pid)
 
 
+def _group_procs(pgid: int) -> list[tuple[int, str, int]]:
+    """``(pid, state, user + system clock ticks)`` of each process of group ``pgid``, from ``/proc``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(f[2]) == pgid:  # fields after the name: state ppid pgrp ... utime(11) stime(12)
+            out.append((int(d.name), f[0], int(f[11]) + int(f[12])))
+    return out
+
+
 def _group_members(pgid: int) -> list[int]:
     """Live (not zombie) processes of process group ``pgid``, from ``/proc`` (``os.killpg(pgid, 0)``
     where there is no ``/proc``: ``[pgid]`` while any member exists)."""
@@ -321,17 +326,7 @@ def _group_members(pgid: int) -> list[int]:
             return [pgid]
         except (ProcessLookupError, PermissionError):
             return []
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(f[2]) == pgid and f[0] != "Z":  # fields after the name: state ppid pgrp ...
-            out.append(int(d.name))
-    return out
+    return [pid for pid, state, _ in _group_procs(pgid) if state != "Z"]
 
 
 # ---------------------------------------------------------------------------------- the client
