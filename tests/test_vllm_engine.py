@@ -283,48 +283,62 @@ def _logprobs(model, prompt, tokens, temperature):
 
 def test_every_token_has_the_log_prob_of_its_stamped_version(vllm_server, tiny_models, tmp_path):
     """The local engine's test, unchanged: a weight update lands while requests run; each token's
-    behaviour log-prob equals its log-prob under the weights of the version stamped on it."""
+    behaviour log-prob equals its log-prob under the weights of the version stamped on it.
+
+    On this VM, fresh memory pages cost up to ~0.5 ms each while the server runs, so writing the
+    26 MB update took up to ~3 s, longer than the 2,000 tokens: an attempt whose requests all ended
+    before the update landed is repeated (at most 3) with the next version; the checks hold on the
+    first attempt where the update interrupted requests."""
     tok, v0, v1 = tiny_models
     eng = VllmEngine(vllm_server.url, tokenizer=tok, version=0, weight_dir=tmp_path / "w")
     eng.start()
     eng.load_weights(WeightUpdate.from_model(v0, 0))  # earlier tests may have left other weights
+    models = {v: (v1 if v % 2 else v0) for v in range(4)}  # version v: odd = scaled weights
     prompt = [1, 504, 3458, 282, 4649, 314]
     params = SamplingParams(max_new_tokens=500, temperature=0.7, ignore_eos=True)
-    outs: list = []
+    spanning: list = []
+    for version in (1, 2, 3):
+        update = WeightUpdate.from_model(models[version], version)  # snapshot taken before generation
+        outs: list = []
 
-    def run():
-        async def main():
-            return await asyncio.gather(*[eng.generate(prompt, params) for _ in range(4)])
-        outs.extend(asyncio.run(main()))
+        def run():
+            async def main():
+                return await asyncio.gather(*[eng.generate(prompt, params) for _ in range(4)])
+            outs.extend(asyncio.run(main()))
 
-    before = eng.stats()["server/generation_tokens_total"]
-    th = threading.Thread(target=run)
-    th.start()
-    deadline = time.monotonic() + 120
-    # the update lands once the server has generated ~100 of the 2,000 tokens (its own counter)
-    while eng.stats().get("server/generation_tokens_total", 0) - before < 100 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    eng.update_weights(WeightUpdate.from_model(v1, 1))
-    th.join(timeout=300)
-    assert len(outs) == 4 and eng.version == 1
-    spanning = [o for o in outs if 0 in o.versions and 1 in o.versions]
-    assert spanning, [sorted(set(o.versions)) for o in outs]  # the update interrupted requests
+        before = eng.stats()["server/generation_tokens_total"]
+        th = threading.Thread(target=run)
+        th.start()
+        deadline = time.monotonic() + 120
+        # the update is sent once the server has generated ~100 of the 2,000 tokens (its own counter)
+        while eng.stats().get("server/generation_tokens_total", 0) - before < 100 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        eng.update_weights(update)
+        th.join(timeout=300)
+        assert len(outs) == 4 and eng.version == version
+        spanning = [o for o in outs if version - 1 in o.versions and version in o.versions]
+        if spanning:
+            break
+        assert all(set(o.versions) == {version - 1} for o in outs)  # all before the update, none lost
+    assert spanning, f"in 3 attempts no request was running when the update landed: {outs}"
     for o in outs:
         assert len(o.token_ids) == 500 and o.versions == sorted(o.versions)
-        assert o.num_interruptions == (1 if 0 in o.versions and 1 in o.versions else 0)
+        assert set(o.versions) <= {version - 1, version}
+        assert o.num_interruptions == (1 if len(set(o.versions)) == 2 else 0)
         v = torch.tensor(o.versions)
-        own = torch.where(v == 0, _logprobs(v0, prompt, o.token_ids, 0.7), _logprobs(v1, prompt, o.token_ids, 0.7))
-        other = torch.where(v == 0, _logprobs(v1, prompt, o.token_ids, 0.7), _logprobs(v0, prompt, o.token_ids, 0.7))
+        m_new, m_old = models[version], models[version - 1]
+        own = torch.where(v == version, _logprobs(m_new, prompt, o.token_ids, 0.7), _logprobs(m_old, prompt, o.token_ids, 0.7))
+        other = torch.where(v == version, _logprobs(m_old, prompt, o.token_ids, 0.7), _logprobs(m_new, prompt, o.token_ids, 0.7))
         err = (own - torch.tensor(o.logprobs)).abs()
         assert err.max() < 2e-3, err.max()
         assert (other - torch.tensor(o.logprobs)).abs().mean() > 50 * err.mean()  # the check can fail
     st = eng.stats()
-    assert st["weight_syncs"] == 2 and st["interruptions"] == len(spanning) and st["version"] == 1
-    assert st["generated_tokens"] >= 2000 and st["busy_seconds"] > 0 and st["decode_steps"] > 0
+    assert st["weight_syncs"] == 1 + version and st["interruptions"] == len(spanning) and st["version"] == version
+    assert st["generated_tokens"] >= 2000 * version and st["busy_seconds"] > 0 and st["decode_steps"] > 0
     assert st["weight_sync_bytes_total"] > 0 and st["pause_seconds_total"] > 0
     assert st["reencoded_tokens"] >= sum(len(prompt) for _ in spanning)
     assert "server_cpu_seconds" not in st  # a server this client did not start
-    assert [p.name for p in (tmp_path / "w").iterdir()] == ["v1"]  # only the newest version's file is kept
+    assert [p.name for p in (tmp_path / "w").iterdir()] == [f"v{version}"]  # only the newest version's file is kept
     eng.close()
     assert vllm_server.alive()  # not owned: left running
 
