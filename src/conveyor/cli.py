@@ -655,6 +655,10 @@ def inspect_cmd(
     all_links: Annotated[bool, typer.Option("--all", help="print every response token's links (default: a "
                                                            "summary of the strongest; --target prints its own)")]
         = False,
+    values: Annotated[bool, typer.Option("--values", help="instead of attention: the critic's value before each "
+                                                          "response token (a loss.advantage=gae run; policy and "
+                                                          "critic from its newest intact checkpoint); the "
+                                                          "attention options are ignored")] = False,
 ) -> None:
     """Attention inspection: the strongest links `Step s: Token j -> Token i  w%` of one held-out
     trajectory under the run's policy (export, else newest intact checkpoint, else the base
@@ -662,6 +666,13 @@ def inspect_cmd(
     Says which policy version generated the trajectory and warns when it is not the version
     loaded. Prints what each field means, then a summary (the most attended tokens and the
     strongest links over the response); --all adds every response token's links.
+
+    --values: the critic's values along the trajectory instead (a run trained with
+    loss.advantage=gae; policy and critic from the newest intact checkpoint, whose step is
+    named; an ensemble's mean and per-critic std): one line per response token (its value and
+    the change from the previous token's), then the first and last values, the return and the
+    largest rises and falls. --layer, --head, --top, --target, --exclude-self, --plot and --all
+    are ignored there.
     """
     from rich.markup import escape
 
@@ -672,6 +683,28 @@ def inspect_cmd(
     def note(msg: str) -> None:
         console.print(f"[bold yellow]note:[/] {escape(msg)}", emoji=False, soft_wrap=True)
 
+    if values:
+        from conveyor.inspect_values import format_values, inspect_values
+
+        ignored = [name for name, v, d in (("--layer", layer, None), ("--head", head, None), ("--top", top, 3),
+                                           ("--target", target, None), ("--exclude-self", exclude_self, False),
+                                           ("--plot", plot, None), ("--all", all_links, False)) if v != d]
+        if ignored:
+            note(f"--values ignores {', '.join(ignored)} (attention options)")
+        try:
+            vres = inspect_values(run_dir, sample=sample, warn=note)
+        except (FileNotFoundError, InspectError, ModelLoadError, DatasetError) as e:
+            _fail(str(e))
+        except (KeyError, RuntimeError, ValueError) as e:  # weights that do not fit the configured critic
+            _fail(f"cannot load the critic of {run_dir}: {type(e).__name__}: {e}")
+        lines = format_values(vres)
+        for line in lines[:2]:
+            console.print(line, markup=False, highlight=False, emoji=False, soft_wrap=True)
+        if vres.version_warning is not None:
+            console.print(f"[bold yellow]warning:[/] {escape(vres.version_warning)}", emoji=False, soft_wrap=True)
+        for line in lines[2:]:
+            console.print(line, markup=False, highlight=False, emoji=False, soft_wrap=True)
+        return
     if plot is not None:  # before the forward pass: a file type matplotlib cannot write is refused now
         from matplotlib.backends.backend_agg import FigureCanvasAgg
 

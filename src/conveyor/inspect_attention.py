@@ -324,19 +324,8 @@ def load_policy(run_dir: str | Path, *, warn: Callable[[str], None] | None = Non
                 notes.append(f"checkpoint {ckpt.name} was removed while being read (the run keeps only the "
                              "newest ones)")
                 continue
-            lm = load_model(settings["model"], seed=settings["model_seed"], init=settings["model_init"])
-            model_state = {k.removeprefix("_orig_mod."): v for k, v in state["model"].items()}
-            model = lm.model
-            if "lora" in state:  # a LoRA run's checkpoint holds the adapter: merged onto the base model
-                from conveyor.trainer.lora import merged_from_checkpoint
-
-                model = merged_from_checkpoint(lm.model, {**state, "model": model_state})
-            else:
-                model.load_state_dict(model_state)
-            version = state.get("version", checkpoint_version(ckpt))
-            del state, model_state
-            policy = Policy(model, lm.tokenizer, f"checkpoint {ckpt.name} (policy version {version}) "
-                            f"on {settings['model']}", True, notes, None if version is None else int(version))
+            policy = policy_from_state(state, ckpt, settings, notes)
+            del state
             break
         if policy is None:
             lm = load_model(settings["model"], seed=settings["model_seed"], init=settings["model_init"])
@@ -350,6 +339,44 @@ def load_policy(run_dir: str | Path, *, warn: Callable[[str], None] | None = Non
         for n in notes:
             warn(n)
     return policy
+
+
+def policy_from_state(state: dict, ckpt: Path, settings: dict[str, Any], notes: list[str] | None = None) -> Policy:
+    """The policy of one checkpoint, from its loaded ``trainer.pt`` (``Trainer.state_dict()``).
+
+    The ``model`` state is loaded onto the run's ``model.name`` (``tiny``: same ``model.seed``,
+    ``model.init``); a LoRA run's adapter (``lora`` in ``state``) is merged onto it. The model is
+    left in the attention implementation :func:`conveyor.models.load_model` gives it (the caller
+    switches to ``eager`` where it needs the weights) and its train / eval mode.
+
+    Args:
+        state: The checkpoint's ``trainer.pt`` contents (not modified).
+        ckpt: The checkpoint directory (its name gives the version when ``state`` has none).
+        settings: :func:`run_settings`' first element.
+        notes: The returned policy's notes (a new list when None).
+
+    Returns:
+        A trained :class:`Policy` whose ``source`` names the checkpoint and its policy version.
+
+    Raises:
+        conveyor.models.ModelLoadError: the model cannot be loaded.
+        KeyError / RuntimeError / ValueError: the model state does not fit the configured model.
+    """
+    from conveyor.checkpoint import checkpoint_version
+    from conveyor.models import load_model
+
+    lm = load_model(settings["model"], seed=settings["model_seed"], init=settings["model_init"])
+    model_state = {k.removeprefix("_orig_mod."): v for k, v in state["model"].items()}
+    model = lm.model
+    if "lora" in state:  # a LoRA run's checkpoint holds the adapter: merged onto the base model
+        from conveyor.trainer.lora import merged_from_checkpoint
+
+        model = merged_from_checkpoint(lm.model, {**state, "model": model_state})
+    else:
+        model.load_state_dict(model_state)
+    version = state.get("version", checkpoint_version(ckpt))
+    return Policy(model, lm.tokenizer, f"checkpoint {ckpt.name} (policy version {version}) on {settings['model']}",
+                  True, [] if notes is None else notes, None if version is None else int(version))
 
 
 def _checkpoints_newest_first(run_dir: Path, tries: int = 5):
