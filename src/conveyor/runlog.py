@@ -660,11 +660,78 @@ def _integer_versions(ax) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+def _calibration_points(rows: list[dict]) -> tuple[list[float], list[float], list[float]]:
+    """The ``value/calib{b}_*`` bins of ``rows`` (each step's 5 equal-count bins of first-token
+    values, :meth:`conveyor.trainer.trainer.Trainer._value_metrics`) pooled by bin index,
+    weighted by count: ``(mean value, mean return, responses)`` per bin."""
+    xs, ys, ns = [], [], []
+    for b in range(5):
+        pts = [(r[f"value/calib{b}_value"], r[f"value/calib{b}_return"], r[f"value/calib{b}_count"]) for r in rows
+               if r.get(f"value/calib{b}_count")]
+        n = sum(c for _, _, c in pts)
+        if n:
+            xs.append(sum(v * c for v, _, c in pts) / n)
+            ys.append(sum(g * c for _, g, c in pts) / n)
+            ns.append(n)
+    return xs, ys, ns
+
+
+def _value_panels(ax_cal, ax_curve, rows: list[dict], series) -> None:
+    """The critic's predictions against outcomes (issue 45): a calibration panel (first-token
+    value, binned, against the observed return; the first half of the steps and the second) and
+    the values' held-out quality per step (each batch scored before the critic trained on it)."""
+    half = len(rows) // 2
+    drawn = False
+    for part, label, color in ((rows[:half], "first half of the steps", "tab:gray"),
+                               (rows[half:], "second half of the steps", "tab:blue")):
+        xs, ys, ns = _calibration_points(part)
+        if xs:
+            ax_cal.plot(xs, ys, marker="o", color=color, label=f"{label} ({int(sum(ns))} responses)")
+            drawn = True
+    if drawn:
+        lo = min(0.0, *ax_cal.get_xlim(), *ax_cal.get_ylim())
+        hi = max(1.0, *ax_cal.get_xlim(), *ax_cal.get_ylim())
+        ax_cal.plot([lo, hi], [lo, hi], color="black", lw=0.8, ls=":", label="calibrated (value = return)")
+        ax_cal.set_title("calibration: first-token value (5 equal-count bins per step) vs return")
+        ax_cal.set_xlabel("value at the first response token")
+        ax_cal.set_ylabel("mean return")
+        _legend(ax_cal)
+    else:
+        ax_cal.axis("off")
+    drawn = False
+    for key, label in (("value/first_value_corr", "corr(first-token value, return)"),
+                       ("value/first_explained_variance", "explained variance, first token"),
+                       ("value/prompt_corr", "corr(first-token value, prompt success rate)")):
+        xs, ys = series(key, rows)
+        pts = [(x, y) for x, y in zip(xs, ys, strict=True) if y == y]  # (NaN: undefined that step)
+        if pts:
+            ax_curve.plot([x for x, _ in pts], smooth_values([y for _, y in pts]), label=f"{label}, running mean of 5")
+            drawn = True
+    if drawn:
+        ax_curve.axhline(0.0, color="gray", lw=0.8)
+        ax_curve.set_title("values on each batch before the critic trained on it")
+        ax_curve.set_xlabel("step")
+        _legend(ax_curve)
+    else:
+        ax_curve.axis("off")
+
+
+def smooth_values(ys: list[float], w: int = 5) -> list[float]:
+    """Running mean of the last ``w`` values (fewer at the start)."""
+    out, acc = [], []
+    for y in ys:
+        acc.append(y)
+        acc = acc[-w:]
+        out.append(sum(acc) / len(acc))
+    return out
+
+
 def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str = "") -> Path:
     """Draw reward / accuracy / staleness / throughput curves of a run into ``report.png``
     (written atomically); with a critic also its value loss, explained variance, the correlation
     of response length with summed advantage and the gradient norms per block kind (warm-up
-    included); the run monitor's alerts as marked versions and an
+    included), a calibration panel (first-token value against the return) and the values' quality
+    on each batch before the critic trained on it; the run monitor's alerts as marked versions and an
     adaptive eta as a step line.
 
     Returns:
@@ -689,7 +756,7 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
     warm = read_jsonl(run_dir / CRITIC_WARMUP, by_step=True)
     critic = bool(warm) or any("critic/value_loss" in r for r in rows)
     out = Path(out) if out else run_dir / "report.png"
-    fig, axes = plt.subplots(3 if critic else 2, 2, figsize=(11, 12.5 if critic else 8.5))
+    fig, axes = plt.subplots(4 if critic else 2, 2, figsize=(11, 16.5 if critic else 8.5))
 
     def series(key, of=rows):
         xs = [r["step"] for r in of if r.get(key) is not None]
@@ -790,9 +857,11 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
             ax.set_title("critic gradient norm per block kind (before clipping)")
             ax.set_xlabel("step")
             _legend(ax)
+        _value_panels(axes[3][0], axes[3][1], both, series)
     for row in axes:
         for a in row:
-            _integer_versions(a)
+            if not (critic and a is axes[3][0]):  # (the calibration panel's axes are values)
+                _integer_versions(a)
     fig.suptitle(title or str(run_dir))
     fig.tight_layout()
     try:

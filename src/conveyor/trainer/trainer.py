@@ -41,6 +41,7 @@ from conveyor.trainer import distributed as dp_lib
 from conveyor.trainer import ensemble as ensemble_lib
 from conveyor.trainer import gae as gae_lib
 from conveyor.trainer import losses as loss_lib
+from conveyor.trainer import value_diagnostics as vd_lib
 from conveyor.trainer.batch import PackedBatch, pack_micro_batches
 from conveyor.trainer.logprobs import ScoringSpec, token_logprobs, zero_loss
 from conveyor.trainer.lora import inference_copy
@@ -48,6 +49,7 @@ from conveyor.trainer.objectives import ObjectiveInputs, get_objective
 from conveyor.trainer.proximal import build_strategy
 from conveyor.trainer.reference import reference_from_attached, score_reference
 from conveyor.trainer.updater import Updater
+from conveyor.trainer.value_diagnostics import ValueTrace
 from conveyor.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -731,6 +733,8 @@ class Trainer:
             # the K updates and the pre-update value forward of the score phase
             metrics["time/critic_s"] = time.perf_counter() - t_critic + scores.value_seconds
             metrics["time/critic_values_s"] = scores.value_seconds
+        if self.critic is not None:
+            metrics.update(self._value_metrics(batch, scores))
         self.version += 1
         stop = self._count_nonfinite(update.skipped)
         metrics.update(self.step_metrics(batch, scores, update))
@@ -1157,13 +1161,15 @@ class Trainer:
         t0 = time.perf_counter()
         batch = self.pack(trajectories)
         if self.folds_value_pass:
-            metrics = self.critic_phase(batch, self.score(batch, values_only=True, skip_values=True))
+            scores = self.score(batch, values_only=True, skip_values=True)
+            metrics = self.critic_phase(batch, scores)
         else:  # no policy step in a warm-up step: one set of policy-body states for the head critics
             body_states: dict[int, torch.Tensor] = {}
             scores = self.score(batch, values_only=True, body_states=body_states)
             self._gae(batch, scores)
             metrics = self.critic_update(batch, scores, body_states=body_states)
         self.critic_warmup_done += 1
+        metrics.update(self._value_metrics(batch, scores))
         rewards = torch.tensor([t.reward for t in trajectories])
         tokens = float(sum(mb.num_tokens for mb in batch.micro_batches))
         if self.dp is not None:
@@ -1171,6 +1177,73 @@ class Trainer:
         metrics.update({"reward/mean": float(rewards.mean()), "train/tokens": tokens,
                         "time/critic_warmup_step_s": time.perf_counter() - t0})
         return metrics
+
+    def _value_traces(self, batch: StepBatch, scores: Scores) -> list[ValueTrace]:
+        """:class:`ValueTrace` of each trajectory of ``batch`` from ``scores.values`` (the values
+        before this step's critic updates; :meth:`trajectory_values` without a forward pass)."""
+        trajectories = batch.trajectories
+        per: list[torch.Tensor | None] = [None] * len(trajectories)
+        for j, mb in enumerate(batch.micro_batches):
+            if (batch.padded and batch.padded[j]) or scores.values[j] is None:
+                continue
+            pos, s_idx, k_idx, S, T = _response_layout(mb)
+            grid = torch.zeros(S, T)
+            grid[s_idx, k_idx] = scores.values[j].reshape(-1)[pos].float()
+            for s_, i in enumerate(mb.indices):
+                per[i] = grid[s_, : len(trajectories[i].response_ids)].clone()
+        out = []
+        for t, v in zip(trajectories, per, strict=True):
+            if v is None:  # (another process's share under data parallelism)
+                continue
+            act = torch.tensor(t.action_mask if t.action_mask is not None else [1] * len(t.response_ids)) != 0
+            ret = vd_lib.monte_carlo_returns(float(t.reward), act, turn_rewards=t.turn_rewards,
+                                             gamma=self.critic_cfg.gamma)
+            out.append(ValueTrace(v, ret, act, str(t.sample.id)))
+        return out
+
+    def _value_metrics(self, batch: StepBatch, scores: Scores) -> dict[str, float]:
+        """``value/*``: :func:`~conveyor.trainer.value_diagnostics.value_diagnostics` of the values
+        the critic gave this batch before training on it (trajectories it had not seen): the
+        first-token value against the return (correlation, explained variance), the last action
+        token's, the prompts' success rates (groups of 2 or more responses), and the calibration
+        bins ``value/calib{b}_value`` / ``_return`` / ``_count`` (5 equal-count bins of the
+        first-token values; the report's calibration panel). This process's share only under
+        data parallelism."""
+        d = vd_lib.value_diagnostics(self._value_traces(batch, scores))
+        out = {f"value/{k}": float(d[k]) for k in ("explained_variance", "first_explained_variance",
+                                                   "last_explained_variance", "first_value_corr", "prompt_corr",
+                                                   "prompt_explainable", "value_abs_error")}
+        out["value/first_value_mean"] = (sum(b["value_mean"] * b["count"] for b in d["calibration"])
+                                         / max(1.0, d["trajectories"]))
+        for b, row in enumerate(d["calibration"]):
+            out[f"value/calib{b}_value"] = row["value_mean"]
+            out[f"value/calib{b}_return"] = row["return_mean"]
+            out[f"value/calib{b}_count"] = row["count"]
+        return out
+
+    def trajectory_values(self, trajectories: list[Trajectory]) -> list[ValueTrace]:
+        """The critic's values along each trajectory's response, without gradient and without
+        training (the ensemble's mean with ``critic.num_critics`` >= 2), with the Monte-Carlo
+        returns they predict (:func:`conveyor.trainer.value_diagnostics.monte_carlo_returns`,
+        ``critic.gamma``): the input of :func:`~conveyor.trainer.value_diagnostics.value_diagnostics`
+        on trajectories the critic did not train on (issue 45).
+
+        Returns:
+            One :class:`~conveyor.trainer.value_diagnostics.ValueTrace` per trajectory, in order;
+            ``prompt_key`` is the sample id.
+
+        Raises:
+            ValueError: no critic (``loss.advantage`` is not ``gae``), or data parallelism
+                (each process holds a share of the batch).
+        """
+        if self.critic is None:
+            raise ValueError("trajectory_values: no critic (loss.advantage must be gae)")
+        if self.dp is not None:
+            raise ValueError("trajectory_values: not with data parallelism (trainer.world_size > 1)")
+        if not trajectories:
+            return []
+        batch = self.pack(trajectories)
+        return self._value_traces(batch, self.score(batch, values_only=True))
 
     def policy_update(self, batch: StepBatch, scores: Scores, *, window: int) -> PolicyUpdate:
         """Phase 4: the policy's optimiser steps, one per minibatch (micro-batches ``k::n``), each
