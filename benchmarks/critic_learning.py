@@ -3,7 +3,8 @@
 Usage: python benchmarks/critic_learning.py [--model smollm2-135m-instruct|RUN/export|tiny]
        [--data mawps:singleop:train] [--problems 96] [--samples 8] [--temperature 0.6]
        [--heldout-frac 0.25] [--kinds policy,policy:6,head,head*2] [--steps 30] [--batch 16]
-       [--eval-every 5] [--warmup-budget 10] [--set critic.lr=5e-5 ...] [--rollouts FILE.pt]
+       [--eval-every 5] [--warmup-budget 10] [--keep-extremes LO,HI] [--set critic.lr=5e-5 ...]
+       [--rollouts FILE.pt]
        [--seed 0] [--json FILE.json] [--quick]
 
 1. **Roll out the frozen policy once** (``--model``, the main job's rollout settings:
@@ -14,7 +15,9 @@ Usage: python benchmarks/critic_learning.py [--model smollm2-135m-instruct|RUN/e
    out; the critic never trains on them. Per-prompt success rates (the mean reward over the
    ``--samples`` responses) are printed for both halves, with ``prompt_explainable``: the share
    of the held-out first-token return variance that the prompts' success rates explain, the
-   ceiling of any value computed from the prompt alone.
+   ceiling of any value computed from the prompt alone. ``--keep-extremes LO,HI`` keeps only the
+   prompts whose measured rate is <= LO or >= HI (issue 45: a set where the value of a prompt is
+   learnable), before the split.
 3. **Train each critic alone** (``--kinds``; the policy is never updated): a fresh
    :class:`~conveyor.trainer.trainer.Trainer` with ``loss.advantage=gae`` and the ``critic.*`` of the
    default config (``--set`` overrides any key, e.g. ``--set critic.lr=1e-4``), then ``--steps``
@@ -183,6 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--warmup-budget", type=int, default=10)
+    ap.add_argument("--keep-extremes", default=None, metavar="LO,HI",
+                    help="keep only prompts whose measured success rate is <= LO or >= HI (both halves)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     ap.add_argument("--rollouts", type=Path, default=None, help="keep / reuse the rollouts in this file")
     ap.add_argument("--seed", type=int, default=0)
@@ -218,6 +223,13 @@ def main(argv: list[str] | None = None) -> dict:
             torch.save({"settings": {"model": a.model, "data": a.data, "problems": a.problems, "samples": a.samples,
                                      "temperature": a.temperature, "seed": a.seed, "set": a.set},
                         "trajectories": trajs}, a.rollouts)
+    if a.keep_extremes:
+        lo, hi = (float(x) for x in a.keep_extremes.split(","))
+        rates = success_rates(trajs)
+        kept = {k for k, r in rates.items() if r <= lo or r >= hi}
+        print(f"--keep-extremes {lo},{hi}: {len(kept)} of {len(rates)} prompts kept "
+              f"({sum(1 for k in kept if rates[k] >= hi)} at >= {hi})", flush=True)
+        trajs = [t for t in trajs if str(t.sample.id) in kept]
     keys = sorted({str(t.sample.id) for t in trajs})
     random.Random(a.seed + 1).shuffle(keys)
     held_keys = set(keys[: max(2, round(len(keys) * a.heldout_frac))])
@@ -265,6 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(results, indent=1, default=float))
         print(f"wrote {a.json}")
+    print(json.dumps(results, default=float))  # the last line: the result (the benchmarks' convention)
     return results
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import signal
@@ -48,6 +49,7 @@ SCRIPTS: dict[str, tuple[str, list[str]]] = {
     "test_staleness_robustness_benchmark_quick": ("staleness_robustness.py", ["--out", "{out}/st"]),  # ~59 s
     "test_trainer_benchmark_quick": ("trainer.py", []),  # ~41 s
     "test_critic_benchmark_quick": ("critic.py", ["--json", "{out}/critic.json"]),  # ~20 s
+    "test_critic_learning_benchmark_quick": ("critic_learning.py", ["--json", "{out}/critic_learning.json"]),  # ~15 s
     "test_prefix_cache_benchmark_quick": ("prefix_cache.py", []),  # ~13 s
     "test_prefix_cache_benchmark_with_updates_quick": ("prefix_cache.py", ["--update-every", "0.1"]),  # ~13 s
     "test_prefix_cache_benchmark_on_only_quick": ("prefix_cache.py", ["--on-only", "--update-every", "0.1"]),  # ~5 s
@@ -480,3 +482,21 @@ def test_critic_benchmark_rejects_unknown_rows(rows, capsys):
     with pytest.raises(SystemExit) as e:
         _critic_benchmark().main(["--quick", "--rows", rows])
     assert e.value.code == 2 and "--rows" in capsys.readouterr().err
+
+
+def test_critic_learning_benchmark_quick(quick):
+    """The value-learning benchmark (issue 45) end to end on the tiny model: frozen-policy
+    rollouts split by prompt (no prompt on both sides), each critic kind measured on the held-out
+    half before and after its critic-only steps, the critic's values moved by the steps."""
+    r = _run(quick, "test_critic_learning_benchmark_quick")
+    saved = json.loads((quick[1] / "critic_learning.json").read_text())
+    assert json.dumps(saved, sort_keys=True) == json.dumps(r, sort_keys=True)  # (NaN != NaN: compared as text)
+    train, held = r["success_rates"]["train"], r["success_rates"]["heldout"]
+    assert len(train) + len(held) == 8 and not set(train) & set(held) and len(held) >= 2
+    assert r["train_responses"] == 4 * len(train) and r["heldout_responses"] == 4 * len(held)
+    assert list(r["kinds"]) == ["policy", "head*2"]
+    for kind, rows in r["kinds"].items():
+        assert [row["step"] for row in rows] == [0, 2, 4], kind
+        assert all(math.isfinite(row["value_mean"]) for row in rows)
+        assert rows[-1]["value_mean"] != rows[0]["value_mean"], kind  # the critic trained
+        assert len(rows[-1]["profile"]["failure"]) == 5
