@@ -1,7 +1,8 @@
 """Can the critic learn a value where one is learnable? (issue 45; MISSION.md sections 3-4.)
 
 Usage: python benchmarks/critic_learning.py [--model smollm2-135m-instruct|RUN/export|tiny]
-       [--data mawps:singleop:train] [--problems 96] [--samples 8] [--temperature 0.6]
+       [--data file:benchmarks/data/critic_easy_sums.jsonl,mawps:multiarith] [--problems 40]
+       [--samples 8] [--temperature 0.6]
        [--heldout-frac 0.25] [--kinds policy,policy:6,head,head*2] [--steps 30] [--batch 16]
        [--eval-every 5] [--warmup-budget 10] [--keep-extremes LO,HI] [--set critic.lr=5e-5 ...]
        [--rollouts FILE.pt]
@@ -9,8 +10,8 @@ Usage: python benchmarks/critic_learning.py [--model smollm2-135m-instruct|RUN/e
 
 1. **Roll out the frozen policy once** (``--model``, the main job's rollout settings:
    calculator tool, ``rollout.max_new_tokens``, at ``--temperature``): ``--samples`` responses
-   to each of ``--problems`` problems of ``--data`` (shuffled with ``--seed``), rewarded by
-   ``reward.fn``. ``--rollouts FILE.pt`` keeps them (a second run with the same file reuses them).
+   to each of ``--problems`` problems of each data set of ``--data`` (comma-separated, each
+   shuffled with ``--seed``), rewarded by ``reward.fn``. ``--rollouts FILE.pt`` keeps them (a second run with the same file reuses them).
 2. **Split by prompt**: ``--heldout-frac`` of the problems (every response to them) are held
    out; the critic never trains on them. Per-prompt success rates (the mean reward over the
    ``--samples`` responses) are printed for both halves, with ``prompt_explainable``: the share
@@ -55,6 +56,10 @@ from pathlib import Path
 import torch
 
 KINDS_DEFAULT = "policy,policy:6,head,head*2"
+# the task (issue 45): one-step sums in words (benchmarks/data/make_easy_sums.py) mixed with MAWPS's
+# two-step problems: a main-job export solves 50-88% of the first, 0-25% of the second
+EASY_SUMS = Path(__file__).resolve().with_name("data") / "critic_easy_sums.jsonl"
+DATA_DEFAULT = f"file:{EASY_SUMS},mawps:multiarith"
 
 
 def _kind_overrides(kind: str) -> list[str]:
@@ -77,9 +82,11 @@ def rollout(cfg, model_name: str, problems: int, seed: int, data: str):
     from conveyor.runtime.inline import build_workflow, make_engine
 
     lm = load_model(model_name, seed=cfg.model.seed, init=cfg.model.init)
-    samples = load_dataset(data, split_seed=cfg.data.split_seed)
-    random.Random(seed).shuffle(samples)
-    samples = samples[:problems]
+    samples = []
+    for spec in data.split(","):  # several sets: ``problems`` of each (e.g. easy and hard ones)
+        got = load_dataset(spec.strip(), split_seed=cfg.data.split_seed)
+        random.Random(seed).shuffle(got)
+        samples += got[:problems]
     engine = make_engine(cfg, lm.model.eval(), lm.tokenizer, version=0, seed_index=0,
                          engine_threads=max(1, torch.get_num_threads()), track_partials=False)
     service = RewardService(cfg.reward.fn, timeout_s=cfg.reward.timeout_s, max_workers=cfg.reward.workers,
@@ -176,8 +183,9 @@ def train_critic(cfg_overrides: list[str], kind: str, policy, trajs_train, trajs
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--data", default="mawps:singleop:train")
-    ap.add_argument("--problems", type=int, default=96)
+    ap.add_argument("--data", default=DATA_DEFAULT, help="comma-separated data sets (default: "
+                    "benchmarks/data/critic_easy_sums.jsonl and mawps:multiarith)")
+    ap.add_argument("--problems", type=int, default=40, help="problems of each data set")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--heldout-frac", type=float, default=0.25)
@@ -192,10 +200,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rollouts", type=Path, default=None, help="keep / reuse the rollouts in this file")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--quick", action="store_true", help="tiny model, 8 problems x 4, 4 steps (a smoke test)")
+    ap.add_argument("--quick", action="store_true", help="tiny model, 4 problems of each data set x 4 samples, 4 steps (a smoke test)")
     a = ap.parse_args(argv)
     if a.quick:
-        a.model, a.problems, a.samples, a.steps, a.eval_every, a.batch = "tiny", 8, 4, 4, 2, 8
+        a.model, a.problems, a.samples, a.steps, a.eval_every, a.batch = "tiny", 4, 4, 4, 2, 8
         a.kinds = "policy,head*2"
         a.set = [*a.set, "rollout.max_new_tokens=24", "trainer.bf16=false"]
     if not 0 < a.heldout_frac < 1:
