@@ -16,7 +16,9 @@ Usage: python benchmarks/critic_learning.py [--model smollm2-135m-instruct|RUN/e
    out; the critic never trains on them. Per-prompt success rates (the mean reward over the
    ``--samples`` responses) are printed for both halves, with ``prompt_explainable``: the share
    of the held-out first-token return variance that the prompts' success rates explain, the
-   ceiling of any value computed from the prompt alone. ``--keep-extremes LO,HI`` keeps only the
+   ceiling of any value computed from the prompt alone (and ``prompt_explainable_tokens``, the
+   same over every action token, the ceiling of the ``ev`` column for such a value: a critic
+   goes beyond it only by reading the response). ``--keep-extremes LO,HI`` keeps only the
    prompts whose measured rate is <= LO or >= HI (issue 45: a set where the value of a prompt is
    learnable), before the split.
 3. **Train each critic alone** (``--kinds``; the policy is never updated): a fresh
@@ -251,12 +253,20 @@ def main(argv: list[str] | None = None) -> dict:
     ret = torch.tensor([float(t.reward) for t in held])
     var_r = float(ret.var(unbiased=False))
     ceiling = 1.0 - float((ret - rate).var(unbiased=False)) / var_r if var_r > 0 else float("nan")
-    print(f"held-out: {len(held)} responses, return mean {float(ret.mean()):.3f}; prompt_explainable "
-          f"(the most a value of the prompt alone explains) {ceiling:.3f}", flush=True)
+    # ... and of its every-action-token explained variance (the ``ev`` column: long responses weigh more)
+    n_act = [sum(t.action_mask) if t.action_mask is not None else len(t.response_ids) for t in held]
+    rate_t = torch.repeat_interleave(rate, torch.tensor(n_act))
+    ret_t = torch.repeat_interleave(ret, torch.tensor(n_act))
+    var_t = float(ret_t.var(unbiased=False))
+    ceiling_t = 1.0 - float((ret_t - rate_t).var(unbiased=False)) / var_t if var_t > 0 else float("nan")
+    print(f"held-out: {len(held)} responses, return mean {float(ret.mean()):.3f}; the most a value of the prompt "
+          f"alone explains: {ceiling:.3f} of the first-token return variance (ev_first), {ceiling_t:.3f} of the "
+          "every-token one (ev)", flush=True)
     results = {"settings": vars(a) | {"rollouts": str(a.rollouts) if a.rollouts else None,
                                        "json": str(a.json) if a.json else None},
                "train_prompts": len(r_train), "heldout_prompts": len(r_held), "train_responses": len(train),
                "heldout_responses": len(held), "prompt_explainable": ceiling,
+               "prompt_explainable_tokens": ceiling_t,
                "success_rates": {"train": r_train, "heldout": r_held}, "kinds": {}}
     for kind in [k.strip() for k in a.kinds.split(",") if k.strip()]:
         print(f"critic {kind}:", flush=True)
@@ -279,8 +289,9 @@ def main(argv: list[str] | None = None) -> dict:
         at = [r for r in pol if r["step"] <= a.warmup_budget][-1]
         ok = at["ev"] >= 0.5 and at["corr_prompt"] >= 0.7
         results["check"] = {"step": at["step"], "ev": at["ev"], "corr_prompt": at["corr_prompt"], "passed": ok}
-        print(f"check: policy critic at step {at['step']}: ev {_fmt(at['ev'])} (>= 0.5), corr_prompt "
-              f"{_fmt(at['corr_prompt'])} (>= 0.7): {'PASSED' if ok else 'NOT MET'}")
+        print(f"check: policy critic at step {at['step']}: ev {_fmt(at['ev'])} (>= 0.5; a value of the prompt "
+              f"alone reaches at most {ceiling_t:.3f}), corr_prompt {_fmt(at['corr_prompt'])} (>= 0.7): "
+              f"{'PASSED' if ok else 'NOT MET'}")
     if a.json is not None:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(results, indent=1, default=float))
