@@ -1207,9 +1207,12 @@ class Trainer:
         first-token value against the return (correlation, explained variance), the last action
         token's, the prompts' success rates (groups of 2 or more responses), and the calibration
         bins ``value/calib{b}_value`` / ``_return`` / ``_count`` (5 equal-count bins of the
-        first-token values; the report's calibration panel). This process's share only under
-        data parallelism."""
-        d = vd_lib.value_diagnostics(self._value_traces(batch, scores))
+        first-token values; the report's calibration panel); under data parallelism over every
+        process's share (gathered)."""
+        traces = self._value_traces(batch, scores)
+        if self.dp is not None:  # every process's share: each computes the whole batch's figures
+            traces = [t for share in dp_lib.all_gather(traces, self.dp.world_size) for t in share]
+        d = vd_lib.value_diagnostics(traces)
         out = {f"value/{k}": float(d[k]) for k in ("explained_variance", "first_explained_variance",
                                                    "last_explained_variance", "first_value_corr", "prompt_corr",
                                                    "prompt_explainable", "value_abs_error")}
