@@ -218,10 +218,12 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = load_config(None, base)
     from conveyor.models import load_model
 
+    # the overrides that shape the rollouts (a critic.* / trainer.* / loss.* one does not)
+    rollout_set = [x for x in a.set if x.split("=", 1)[0].split(".", 1)[0] not in ("critic", "trainer", "loss")]
     if a.rollouts is not None and a.rollouts.is_file():
         saved = torch.load(a.rollouts, weights_only=False)
         if saved["settings"] != {"model": a.model, "data": a.data, "problems": a.problems, "samples": a.samples,
-                                 "temperature": a.temperature, "seed": a.seed, "set": a.set}:
+                                 "temperature": a.temperature, "seed": a.seed, "set": rollout_set}:
             raise SystemExit(f"--rollouts {a.rollouts} holds rollouts of other settings: {saved['settings']}")
         trajs = saved["trajectories"]
         policy = load_model(a.model, seed=cfg.model.seed, init=cfg.model.init).model
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
         policy = load_model(a.model, seed=cfg.model.seed, init=cfg.model.init).model  # a clean float32 copy
         if a.rollouts is not None:
             torch.save({"settings": {"model": a.model, "data": a.data, "problems": a.problems, "samples": a.samples,
-                                     "temperature": a.temperature, "seed": a.seed, "set": a.set},
+                                     "temperature": a.temperature, "seed": a.seed, "set": rollout_set},
                         "trajectories": trajs}, a.rollouts)
     if a.keep_extremes:
         lo, hi = (float(x) for x in a.keep_extremes.split(","))
