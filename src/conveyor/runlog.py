@@ -692,7 +692,7 @@ def _value_panels(ax_cal, ax_curve, rows: list[dict], series) -> None:
         lo = min(0.0, *ax_cal.get_xlim(), *ax_cal.get_ylim())
         hi = max(1.0, *ax_cal.get_xlim(), *ax_cal.get_ylim())
         ax_cal.plot([lo, hi], [lo, hi], color="black", lw=0.8, ls=":", label="calibrated (value = return)")
-        ax_cal.set_title("calibration: first-token value (5 equal-count bins per step) vs return")
+        ax_cal.set_title("calibration: first-token value vs return (5 bins a step)")
         ax_cal.set_xlabel("value at the first response token")
         ax_cal.set_ylabel("mean return")
         _legend(ax_cal)
