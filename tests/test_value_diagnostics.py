@@ -114,7 +114,7 @@ def _learnable(n_prompts: int, per_prompt: int, seed: int):
     for p in range(n_prompts):
         good = p % 2 == 0
         prompt = [7 if good else 9] + torch.randint(20, 1000, (4,), generator=g).tolist()
-        for k in range(per_prompt):
+        for _ in range(per_prompt):
             r = torch.randint(20, 1000, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
             out.append(Trajectory(sample=Sample(f"s{seed}-{p}", "q", "1", "t"), group_id=f"g{seed}-{p}",
                                   prompt_ids=prompt, response_ids=r, behaviour_logprobs=[-5.0] * len(r),

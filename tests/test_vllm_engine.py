@@ -301,7 +301,7 @@ def test_every_token_has_the_log_prob_of_its_stamped_version(vllm_server, tiny_m
         update = WeightUpdate.from_model(models[version], version)  # snapshot taken before generation
         outs: list = []
 
-        def run():
+        def run(outs=outs):
             async def main():
                 return await asyncio.gather(*[eng.generate(prompt, params) for _ in range(4)])
             outs.extend(asyncio.run(main()))
