@@ -285,8 +285,9 @@ def test_every_token_has_the_log_prob_of_its_stamped_version(vllm_server, tiny_m
     """The local engine's test, unchanged: a weight update lands while requests run; each token's
     behaviour log-prob equals its log-prob under the weights of the version stamped on it.
 
-    On this VM, fresh memory pages cost up to ~0.5 ms each while the server runs, so writing the
-    26 MB update took up to ~3 s, longer than the 2,000 tokens: an attempt whose requests all ended
+    On this VM, beside the busy server, snapshotting the 26 MB update took 0.02-4.9 s (its ~6,200
+    minor page faults) and writing it up to 2.8 s, longer than the 2,000 tokens: so the snapshot is
+    taken before generation starts, and an attempt whose requests all ended
     before the update landed is repeated (at most 3) with the next version; the checks hold on the
     first attempt where the update interrupted requests."""
     tok, v0, v1 = tiny_models
