@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not 0 < a.heldout_frac < 1:
         raise SystemExit("--heldout-frac must be in (0, 1)")
     from conveyor.config import load_config
-    from conveyor.trainer.value_diagnostics import value_diagnostics  # noqa: F401 (import check before rolling out)
+    from conveyor.trainer.value_diagnostics import explained_variance
 
     base = [f"model.name={a.model}", f"rollout.group_size={a.samples}", f"rollout.temperature={a.temperature}",
             f"run.seed={a.seed}", *a.set]
@@ -253,14 +253,11 @@ def main(argv: list[str] | None = None) -> dict:
     # the ceiling of a prompt-only value on the held-out half (its first-token return variance)
     rate = torch.tensor([r_held[str(t.sample.id)] for t in held])
     ret = torch.tensor([float(t.reward) for t in held])
-    var_r = float(ret.var(unbiased=False))
-    ceiling = 1.0 - float((ret - rate).var(unbiased=False)) / var_r if var_r > 0 else float("nan")
+    ceiling = explained_variance(rate, ret)  # (NaN when every return is the same)
     # ... and of its every-action-token explained variance (the ``ev`` column: long responses weigh more)
     n_act = [sum(t.action_mask) if t.action_mask is not None else len(t.response_ids) for t in held]
-    rate_t = torch.repeat_interleave(rate, torch.tensor(n_act))
-    ret_t = torch.repeat_interleave(ret, torch.tensor(n_act))
-    var_t = float(ret_t.var(unbiased=False))
-    ceiling_t = 1.0 - float((ret_t - rate_t).var(unbiased=False)) / var_t if var_t > 0 else float("nan")
+    ceiling_t = explained_variance(torch.repeat_interleave(rate, torch.tensor(n_act)),
+                                   torch.repeat_interleave(ret, torch.tensor(n_act)))
     print(f"held-out: {len(held)} responses, return mean {float(ret.mean()):.3f}; the most a value of the prompt "
           f"alone explains: {ceiling:.3f} of the first-token return variance (ev_first), {ceiling_t:.3f} of the "
           "every-token one (ev)", flush=True)

@@ -763,13 +763,7 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, title: str =
         ys = [r[key] for r in of if r.get(key) is not None]
         return xs, ys
 
-    def smooth(ys, w=5):
-        out_, acc = [], []
-        for y in ys:
-            acc.append(y)
-            acc = acc[-w:]
-            out_.append(sum(acc) / len(acc))
-        return out_
+    smooth = smooth_values
 
     ax = axes[0][0]
     for key, label, color in (("reward/mean", "reward", "tab:blue"), ("rollout/accuracy", "accuracy (sampled)", "tab:red")):
