@@ -51,6 +51,7 @@ SCRIPTS: dict[str, tuple[str, list[str]]] = {
     "test_critic_benchmark_quick": ("critic.py", ["--json", "{out}/critic.json"]),  # ~20 s
     "test_critic_learning_benchmark_quick": ("critic_learning.py", ["--json", "{out}/critic_learning.json"]),  # ~15 s
     "test_prefix_cache_benchmark_quick": ("prefix_cache.py", []),  # ~13 s
+    "test_critic_methods_benchmark_quick": ("critic_methods.py", ["--out", "{out}/cm", "--json", "{out}/cm.json"]),  # ~12 s
     "test_prefix_cache_benchmark_with_updates_quick": ("prefix_cache.py", ["--update-every", "0.1"]),  # ~13 s
     "test_prefix_cache_benchmark_on_only_quick": ("prefix_cache.py", ["--on-only", "--update-every", "0.1"]),  # ~5 s
     "test_engine_benchmark_quick": ("engine.py", ["--dtype", "bfloat16", "--baseline"]),  # ~12 s
@@ -482,6 +483,54 @@ def test_critic_benchmark_rejects_unknown_rows(rows, capsys):
     with pytest.raises(SystemExit) as e:
         _critic_benchmark().main(["--quick", "--rows", rows])
     assert e.value.code == 2 and "--rows" in capsys.readouterr().err
+
+
+def _critic_methods():
+    spec = importlib.util.spec_from_file_location("bench_cm", ROOT / "benchmarks" / "critic_methods.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_critic_methods_benchmark_quick(quick):
+    """The critic-methods runs (issue 45, section 3) end to end on the tiny model: each arm trains
+    exactly its preset's settings on the critic_mix task, only the first run evaluates before
+    training, every run evaluates after, samples count the critic's warm-up rollouts."""
+    r = _run(quick, "test_critic_methods_benchmark_quick")
+    assert json.loads((quick[1] / "cm.json").read_text())["arms"] == r["arms"]
+    assert r["failed"] == [] and set(r["runs"]) == {"grpo", "sao"}
+    import yaml
+
+    from conveyor.presets import find_preset
+
+    for arm, preset in (("grpo", "grpo"), ("sao", "sao")):
+        cfg = json.loads((quick[1] / "cm" / f"{arm}_s0" / "config.json").read_text())
+        assert cfg["data"]["train"] == "critic_mix:train" and cfg["data"]["heldout"] == "critic_mix:heldout"
+        assert cfg["trainer"]["total_steps"] == 2 and cfg["model"]["name"] == "tiny"
+        for section, keys in yaml.safe_load(find_preset(preset).read_text()).items():
+            for key, value in keys.items():
+                if (section, key) not in (("trainer", "total_steps"), ("critic", "warmup_steps")):  # --quick's
+                    assert cfg[section][key] == value, (arm, section, key)
+    assert cfg["critic"]["warmup_steps"] == 1
+    runs = {arm: r["runs"][arm]["0"] for arm in ("grpo", "sao")}
+    assert (quick[1] / "cm" / "grpo_s0" / "eval_before.json").exists()
+    assert not (quick[1] / "cm" / "sao_s0" / "eval_before.json").exists()
+    assert runs["sao"]["before"] == runs["grpo"]["before"]  # the first run's, shared
+    assert runs["grpo"]["samples"] == 2 * 16 and runs["sao"]["samples"] == (2 + 1) * 16  # + 1 warm-up update
+    for row in runs.values():
+        assert set(row["after"]) == {"all", "sums", "multiarith"} and row["seconds"] > 0
+    assert r["arms"]["grpo"]["all"]["n"] == 1
+
+
+def test_critic_methods_arms_are_presets_plus_their_own_keys():
+    m = _critic_methods()
+    assert m.flatten({"a": {"b": 1, "c": {"d": None, "e": True}}, "f": [0, 1]}) == ["a.b=1", "a.c.d=null", "a.c.e=true", "f=[0, 1]"]
+    full = m.arm_overrides("asyppo_full")
+    assert "critic.num_critics=2" in full and full.index("critic.num_critics=1") > full.index("critic.num_critics=2")
+    assert "critic.backbone=policy" in full and "critic.mask_low_frac=0" in full
+    assert not any(o.startswith("trainer.total_steps=") for o in m.arm_overrides("sao"))
+    with pytest.raises(SystemExit, match="unknown arm"):
+        m.arm_overrides("ppo")
 
 
 def test_critic_learning_benchmark_quick(quick):

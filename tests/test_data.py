@@ -20,6 +20,7 @@ from conveyor.data import (
     load_dataset_report,
     parse_gsm8k_answer,
 )
+from conveyor.data.registry import default_instruction
 
 # --------------------------------------------------------------------------------------------
 # Vendored sets
@@ -55,6 +56,27 @@ def test_vendored_set_loads_real_file(spec: str, rows: int, question: str, answe
     assert first.dataset == spec
     assert len({s.id for s in samples}) == rows
     assert all(s.question and s.answer for s in samples)
+
+
+def test_critic_mix_is_the_shipped_sums_and_multiarith_rows_verbatim() -> None:
+    samples = load_dataset("critic_mix")
+    sums = [s for s in samples if s.id.startswith("critic_mix/sums/")]
+    multi = [s for s in samples if s.id.startswith("critic_mix/multiarith/")]
+    assert (len(sums), len(multi), len(samples)) == (80, 80, 160)
+    assert sums[0].question == "Jack has 2 cards. Jack gets 3 more cards. How many cards does Jack have now?"
+    assert sums[0].answer == "5"
+    # the multiarith rows are rows of mawps/multiarith.jsonl, question and answer unchanged
+    full = {s.question: s.answer for s in load_dataset("mawps:multiarith")}
+    assert all(full[s.question] == s.answer for s in multi)
+    assert multi[0].question.startswith("A pet store had 13 siamese cats") and multi[0].answer == "8"
+    # the benchmark's data file and the vendored sums are the same bytes (make_critic_mix.py)
+    bench = DATA_DIR.parents[3] / "benchmarks" / "data" / "critic_easy_sums.jsonl"
+    if bench.exists():  # a source checkout (not an installed wheel)
+        assert bench.read_bytes() == (DATA_DIR / "critic_mix/easy_sums.jsonl").read_bytes()
+    train, held = load_dataset("critic_mix:train"), load_dataset("critic_mix:heldout")
+    assert (len(train), len(held)) == (126, 34)
+    assert not {s.question for s in train} & {s.question for s in held}
+    assert default_instruction("critic_mix:train") == default_instruction("mawps:singleop:train")
 
 
 def test_mawps_row_count_includes_unterminated_last_line() -> None:

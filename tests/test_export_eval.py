@@ -343,3 +343,28 @@ def test_eval_of_a_preference_shift_export_judges_styles(exported_run, tmp_path,
     assert set(ev["metrics_mean"]) >= {"style_cute", "style_chuunibyou", "style_classical"}
     assert "pass@1 is the share judged in chuunibyou" in " ".join(res.output.split())
     assert ev["dataset"] == "styles:heldout" and ev["num_problems"] == 2
+
+
+def test_sampled_heldout_evaluation_in_training_and_from_the_export(tmp_path, monkeypatch):
+    """run.eval_samples / run.eval_temperature (issue 45: greedy answers saturate on critic_mix):
+    every held-out evaluation of the run samples that many responses per problem at that
+    temperature, pass@1 is their mean, the export records both and ``conveyor eval`` of the export
+    uses them; samples at temperature 0 are refused."""
+    run = tmp_path / "r"
+    over = [o for o in RUN if not o.startswith("run.eval_before")]
+    cfg = load_config(None, over + ["run.eval_samples=3", "run.eval_temperature=0.9", f"run.dir={run}"])
+    run_training(cfg)
+    for label in ("before", "after"):
+        ev = json.loads((run / f"eval_{label}.json").read_text())
+        assert (ev["samples_per_problem"], ev["temperature"]) == (3, 0.9), label
+        assert all(len(r["correct"]) == 3 and len(r["responses"]) == 3 for r in ev["records"])
+        mean = sum(sum(r["correct"]) / 3 for r in ev["records"]) / len(ev["records"])
+        assert ev["pass_at_1"] == pytest.approx(mean)
+    s = load_export_settings(run / "export")
+    assert (s["eval"]["samples"], s["eval"]["temperature"]) == (3, 0.9)
+    ev, _ = _eval(tmp_path, monkeypatch, "--model", str(run / "export"), thread_checks=True)
+    assert (ev["samples_per_problem"], ev["temperature"]) == (3, 0.9)
+    ev, _ = _eval(tmp_path, monkeypatch, "--model", str(run / "export"), "--samples", "1", thread_checks=True)
+    assert ev["samples_per_problem"] == 1  # the flag wins
+    with pytest.raises(Exception, match="run.eval_samples=2 with run.eval_temperature=0"):
+        load_config(None, ["run.eval_samples=2"])

@@ -80,13 +80,13 @@ def _fail(msg: str, code: int = 2) -> None:
 # instruction None: the data source's own (conveyor.prompts.resolve_instruction)
 _EVAL_DEFAULTS = {"dataset": "mawps:singleop", "temperature": 0.0, "top_p": 1.0,
                   "max_new_tokens": 128, "instruction": None, "split_seed": 0, "tool": "none",
-                  "max_tool_calls": 4}
+                  "max_tool_calls": 4, "samples": None}
 _EXPORT = "a run's export (RUN/export)"
 _EVAL_HELP = {
     "dataset": "dataset spec, e.g. mawps:singleop, gsm8k:test, svamp, rg:basic_arithmetic "
                f"(default: {_EXPORT}: the run's held-out set; else mawps:singleop)",
     "n": f"evaluate the first N problems (default: all; {_EXPORT}: the run's data.heldout_limit)",
-    "temperature": f"0 = greedy (default: 0; {_EXPORT}: its held-out evaluation's, 0)",
+    "temperature": f"0 = greedy (default: 0; {_EXPORT}: its held-out evaluation's, run.eval_temperature)",
     "top_p": "(default: 1.0)",
     "max_new_tokens": f"tokens (default: 128; {_EXPORT}: its run.eval_max_new_tokens)",
     "instruction": f"appended to every question (default: {_EXPORT}: its data.instruction; "
@@ -163,7 +163,7 @@ def _eval_settings(model: str, flags: dict) -> tuple[dict, str | None]:
     out = dict(_EVAL_DEFAULTS, n=None)
     if exp is not None:
         ev = exp.get("eval") or {}
-        for key in ("temperature", "top_p", "max_new_tokens", "split_seed"):
+        for key in ("temperature", "top_p", "max_new_tokens", "split_seed", "samples"):
             if ev.get(key) is not None:
                 out[key] = ev[key]
         for key in ("instruction", "tool", "max_tool_calls"):
@@ -221,7 +221,8 @@ def eval_cmd(
     dataset: Annotated[str | None, typer.Option(help=_EVAL_HELP["dataset"])] = None,
     n: Annotated[int | None, typer.Option("--n", help=_EVAL_HELP["n"])] = None,
     k: Annotated[int, typer.Option("--k", help="k of pass@k (>= 1)")] = 1,
-    samples: Annotated[int | None, typer.Option(help="samples per problem (>= k, default k)")] = None,
+    samples: Annotated[int | None, typer.Option(help="samples per problem (>= k, default k; "
+                                                     f"{_EXPORT}: its run.eval_samples)")] = None,
     temperature: Annotated[float | None, typer.Option(help=_EVAL_HELP["temperature"])] = None,
     top_p: Annotated[float | None, typer.Option(help=_EVAL_HELP["top_p"])] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help=_EVAL_HELP["max_new_tokens"])] = None,
@@ -305,9 +306,10 @@ def eval_cmd(
     st, settings_from = _eval_settings(model, {
         "dataset": dataset, "n": n, "temperature": temperature, "top_p": top_p,
         "max_new_tokens": max_new_tokens, "instruction": instruction, "split_seed": split_seed,
-        "tool": tool, "max_tool_calls": max_tool_calls})
+        "tool": tool, "max_tool_calls": max_tool_calls, "samples": samples})
     dataset, n, temperature, top_p = st["dataset"], st["n"], st["temperature"], st["top_p"]
     max_new_tokens, instruction = st["max_new_tokens"], st["instruction"]
+    samples = st["samples"] if st["samples"] is None or st["samples"] >= k else samples  # the export's, if >= --k
     split_seed, tool, max_tool_calls = st["split_seed"], st["tool"], st["max_tool_calls"]
     if env_cfg is not None and env_cfg.name == "guess":  # --env-option high=H: the range the games play
         from conveyor.envs.guess import check_guess_options, guess_spec_for
@@ -523,7 +525,10 @@ def train_cmd(
                   + ("" if res.cpu_busy is None else f", cores busy {res.cpu_busy:.2f}") + ")")
     if res.heldout_before is not None or res.heldout_after is not None:
         fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
-        console.print(f"[bold]held-out pass@1 (greedy):[/] before {fmt(res.heldout_before)} -> after {fmt(res.heldout_after)}")
+        from conveyor.train import eval_decoding
+
+        console.print(f"[bold]held-out pass@1 ({eval_decoding(cfg)}):[/] before {fmt(res.heldout_before)} "
+                      f"-> after {fmt(res.heldout_after)}")
     if res.interrupted:
         by = f" by {res.stop_reason}'s stop action" if (res.stop_reason or "").startswith("monitor rule") else ""
         console.print(f"stopped early{by}; continue with: conveyor train --resume {res.run_dir}")

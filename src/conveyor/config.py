@@ -620,6 +620,11 @@ class RunConfig(_Strict):
     eval_every: int | None = Field(default=None, ge=1, description="also evaluate on the held-out set every N policy "
                                                                    "versions during training (curves; eval_step_N.json)")
     eval_max_new_tokens: int = Field(default=128, ge=1)
+    eval_samples: int = Field(default=1, ge=1, description="responses per held-out problem; pass@1 is their mean "
+                                                         "correctness (1 with eval_temperature 0: greedy)")
+    eval_temperature: float = Field(default=0.0, ge=0.0, description="sampling temperature of the held-out "
+                                                                    "evaluations (0: greedy; e.g. 0.6 with "
+                                                                    "eval_samples 4 when greedy answers saturate)")
     eval_dtype: Literal["float32", "engine"] = Field(
         default="float32", description="held-out evaluations run the trainer's policy in float32 (its weights' "
                                        "precision) whatever rollout.engine_dtype is, so runs with a bf16 "
@@ -633,6 +638,13 @@ class RunConfig(_Strict):
     def _none_is_a_word(cls, v):
         # `run.final_checkpoint=none` on the command line parses as null
         return "none" if v is None else v
+
+    @model_validator(mode="after")
+    def _eval_sampling(self) -> RunConfig:
+        if self.eval_samples > 1 and self.eval_temperature == 0:
+            raise ValueError(f"run.eval_samples={self.eval_samples} with run.eval_temperature=0: greedy answers "
+                             "are identical; set run.eval_temperature (e.g. 0.6) or run.eval_samples=1")
+        return self
 
 
 MonitorAction = Literal["none", "lower_eta", "scale_lr", "stop"]

@@ -292,9 +292,11 @@ def write_export_settings(export_dir: str | Path, cfg: TrainConfig, *, policy_ve
         "training_sampling": {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k,
                               "min_p": getattr(ro, "min_p", 0.0),
                               "max_new_tokens": ro.max_new_tokens},
-        # the run's held-out evaluation (train.py, _heldout_eval): greedy, k = 1
+        # the run's held-out evaluation (runtime.inline.heldout_eval): run.eval_samples responses
+        # per problem at run.eval_temperature (1 at 0: greedy); pass@1 is their mean
         "eval": {"dataset": d.heldout or None, "limit": d.heldout_limit, "split_seed": d.split_seed,
-                 "k": 1, "temperature": 0.0, "top_p": 1.0,
+                 "k": 1, "samples": getattr(cfg.run, "eval_samples", 1),
+                 "temperature": getattr(cfg.run, "eval_temperature", 0.0), "top_p": 1.0,
                  "max_new_tokens": cfg.run.eval_max_new_tokens},
         "heldout_pass_at_1": heldout_pass_at_1,
         "total_steps": cfg.trainer.total_steps,

@@ -116,6 +116,8 @@ FIXED_FOR_HELDOUT = (
     ("data", "split_seed"),
     ("data", "instruction"),
     ("run", "eval_max_new_tokens"),
+    ("run", "eval_samples"),
+    ("run", "eval_temperature"),
     ("rollout", "tool"),
     ("rollout", "max_tool_calls"),
     ("env", "name"),  # an environment's episodes are what the held-out evaluation runs

@@ -448,6 +448,14 @@ def _run_training(cfg: TrainConfig, resume_dir: str | Path | None, console,
     return _finish(cfg, job, parts, loop, logger, run_dir, console, ctx, before, progress)
 
 
+def eval_decoding(cfg: TrainConfig) -> str:
+    """How the held-out evaluations decode, for the console: ``greedy`` or ``4 samples at T = 0.6``."""
+    if cfg.run.eval_temperature == 0 and cfg.run.eval_samples == 1:
+        return "greedy"
+    n = cfg.run.eval_samples
+    return f"{n} sample{'s' if n > 1 else ''} at T = {cfg.run.eval_temperature:g}"
+
+
 def _eval_before(cfg, start: _Start, job: _Job, parts: RolloutSide, logger, run_dir: Path, console,
                  ctx: RunContext, progress: bool) -> float | None:
     """Held-out pass@1 before training: evaluated on a fresh run, read back on a resume (and on a
@@ -458,7 +466,8 @@ def _eval_before(cfg, start: _Start, job: _Job, parts: RolloutSide, logger, run_
                       "initial policy)")
     if job.heldout and cfg.run.eval_before and start.ckpt is None and not reused:
         ctx.phase = "the held-out evaluation before training"
-        console.print(f"held-out evaluation before training ({len(job.heldout)} problems of {cfg.data.heldout}, greedy)")
+        console.print(f"held-out evaluation before training ({len(job.heldout)} problems of {cfg.data.heldout}, "
+                      f"{eval_decoding(cfg)})")
         res = heldout_eval(parts.engine, job.tokenizer, cfg, job.heldout, "before", logger, run_dir, progress,
                            parts.reward_service, evaluate_fn=parts.evaluate, version=job.trainer.version,
                            policy=eval_policy(cfg, job.trainer))
@@ -487,7 +496,7 @@ def _finish(cfg: TrainConfig, job: _Job, parts: RolloutSide, loop: LoopResult, l
         raise loop.error  # the logs are closed by ctx
     after = None
     if job.heldout and cfg.run.eval_after and not loop.interrupted:
-        console.print(f"held-out evaluation after training (version {engine.version}, greedy)")
+        console.print(f"held-out evaluation after training (version {engine.version}, {eval_decoding(cfg)})")
         res = heldout_eval(engine, job.tokenizer, cfg, job.heldout, "after", logger, run_dir, progress,
                            parts.reward_service, evaluate_fn=parts.evaluate, version=trainer.version,
                            policy=eval_policy(cfg, trainer))

@@ -30,6 +30,8 @@ aime24              30     ``problem`` / ``answer`` (leading zeros dropped: "025
 amc23               40     ``question`` / ``answer`` formatted by format_number
 styles              100    ``prompt`` / ``""`` (no reference: writing prompts for the preference-
                            shift task, judged by :mod:`conveyor.rewards.styles`)
+critic_mix          160    80 one-step sums in words (``question`` / ``answer``) and 80 MAWPS
+                           multiarith rows (as mawps): a task where a value is learnable (issue 45)
 ==================  =====  ====================================================================
 
 Splits. gsm8k has its own train/test files. Every other vendored set (and any ``file:`` or
@@ -211,7 +213,7 @@ INSTRUCTION_STYLES: str = "Answer in two or three sentences."
 never the target style, which the policy must learn from the judge's 0/1 reward
 (:mod:`conveyor.rewards.styles`)."""
 
-_NUMBER_SOURCES = ("gsm8k", "mawps", "svamp", "aime24", "amc23")
+_NUMBER_SOURCES = ("gsm8k", "mawps", "svamp", "aime24", "amc23", "critic_mix")
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,7 @@ def source_format(spec: str) -> SourceFormat:
     spec                              kind        default instruction
     ================================  ==========  ============================================
     gsm8k, mawps, svamp, aime24,      number      :data:`INSTRUCTION_NUMBER` ("... as a number
-    amc23 (any split)                             after 'Answer:'.")
+    amc23, critic_mix (any split)                 after 'Answer:'.")
     ``rg:<task>``                     text        :data:`INSTRUCTION_TEXT` (no "as a number":
                                                   reasoning-gym answers are often words)
     ``styles`` (any split)            text        :data:`INSTRUCTION_STYLES` (writing prompts,
@@ -513,6 +515,14 @@ def _map_amc23(row: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
     )
 
 
+def _map_critic_mix(row: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    """A row of ``critic_mix``: a one-step sum (``question`` / ``answer``) or a MAWPS multiarith
+    row (``input`` / ``target``, as :func:`_map_mawps`)."""
+    if "input" in row:
+        return _map_mawps(row)
+    return _map_amc23(row)
+
+
 def _map_styles(row: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
     """A writing prompt of ``styles/prompts.jsonl``: question = ``prompt``, answer = ``""`` (the
     reward is the style judge's verdict, :mod:`conveyor.rewards.styles`, not a reference)."""
@@ -543,6 +553,10 @@ _BUILTINS: dict[str, _Builtin] = {
     "aime24": _Builtin((("", "aime24/test.jsonl"),), _map_aime24),
     "amc23": _Builtin((("", "amc23/test.jsonl"),), _map_amc23),
     "styles": _Builtin((("", "styles/prompts.jsonl"),), _map_styles),
+    "critic_mix": _Builtin(
+        (("sums", "critic_mix/easy_sums.jsonl"), ("multiarith", "critic_mix/multiarith.jsonl")),
+        _map_critic_mix,
+    ),
 }
 
 

@@ -78,7 +78,8 @@ def eval_policy(cfg: TrainConfig, trainer: Trainer) -> torch.nn.Module | None:
 def heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logger: MetricsLogger,
                  run_dir: Path, progress: bool, reward_service: RewardService | None = None, *,
                  evaluate_fn: Callable = evaluate, version: int = 0, policy: torch.nn.Module | None = None):
-    """Greedy pass@1 of the engine's current weights on ``samples``; written atomically to
+    """Pass@1 of the engine's current weights on ``samples`` (greedy, or ``run.eval_samples``
+    responses per problem at ``run.eval_temperature``); written atomically to
     ``RUN/eval_<label>.json`` with ``policy_version`` = ``version`` (the policy it measured) and
     logged as an ``eval`` event at the latest log step. With an
     environment (``env.name`` not ``none``) the samples are the environment's episodes
@@ -107,7 +108,8 @@ def heldout_eval(engine, tokenizer, cfg: TrainConfig, samples, label: str, logge
     if cfg.data.style_schedule:  # judged against the target in force at this version
         style = style_at_version(cfg.data.style_schedule, cfg.data.style_every, max(0, version))
         samples = [stamp_target_style(s, style, version) for s in samples]
-    kwargs = dict(k=1, temperature=0.0, max_new_tokens=cfg.run.eval_max_new_tokens,
+    kwargs = dict(k=1, samples_per_problem=cfg.run.eval_samples, temperature=cfg.run.eval_temperature,
+                  max_new_tokens=cfg.run.eval_max_new_tokens,
                   instruction=cfg.data.instruction, dataset=cfg.data.heldout, model_name=cfg.model.name,
                   progress=progress, tool=cfg.rollout.tool, max_tool_calls=cfg.rollout.max_tool_calls, **env,
                   **run_grader_kwargs(cfg))  # a user's reward.fn grades the held-out figure (issue 44)
