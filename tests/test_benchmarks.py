@@ -507,6 +507,7 @@ def test_critic_methods_benchmark_quick(quick):
         cfg = json.loads((quick[1] / "cm" / f"{arm}_s0" / "config.json").read_text())
         assert cfg["data"]["train"] == "critic_mix:train" and cfg["data"]["heldout"] == "critic_mix:heldout"
         assert cfg["trainer"]["total_steps"] == 2 and cfg["model"]["name"] == "tiny"
+        assert cfg["run"]["checkpoint_every"] == 1000 and cfg["run"]["final_checkpoint"] == "none"  # no GBs per run
         for section, keys in yaml.safe_load(find_preset(preset).read_text()).items():
             for key, value in keys.items():
                 if (section, key) not in (("trainer", "total_steps"), ("critic", "warmup_steps")):  # --quick's
