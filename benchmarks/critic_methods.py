@@ -43,7 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
+import statistics
 import subprocess
 import sys
 import time
@@ -111,11 +111,9 @@ def run_one(arm: str, seed: int, a: argparse.Namespace, first: bool) -> subproce
            f"run.eval_before={'true' if first else 'false'}", "run.export=false", "run.final_checkpoint=none",
            "run.checkpoint_every=1000",  # no step checkpoints (1.6-3 GB each; ~30 GB for 18 runs)
            "run.progress=false", *a.set]
-    log = open(Path(a.out) / f"{arm}_s{seed}.log", "w")  # noqa: SIM115 - closed with the process
     print(f"start {arm}_s{seed}: {' '.join(cmd[3:])}", flush=True)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ})
-    proc.log = log  # type: ignore[attr-defined]
-    return proc
+    with open(Path(a.out) / f"{arm}_s{seed}.log", "w") as log:  # the child keeps its own copy of the file
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
 def eval_parts(path: Path) -> dict | None:
@@ -128,12 +126,12 @@ def eval_parts(path: Path) -> dict | None:
         score = sum(rec["correct"]) / len(rec["correct"])
         parts["all"].append(score)
         parts["sums" if "/sums/" in rec["id"] else "multiarith"].append(score)
-    return {k: (sum(v) / len(v) if v else float("nan")) for k, v in parts.items()}
+    return {k: (statistics.fmean(v) if v else float("nan")) for k, v in parts.items()}
 
 
 def mean_of(rows: list[dict], key: str) -> float:
-    vals = [r[key] for r in rows if r.get(key) is not None and not (isinstance(r[key], float) and math.isnan(r[key]))]
-    return sum(vals) / len(vals) if vals else float("nan")
+    vals = [r[key] for r in rows if r.get(key) is not None and not math.isnan(r[key])]
+    return statistics.fmean(vals) if vals else float("nan")
 
 
 def summarise(run_dir: Path, before: dict | None) -> dict | None:
@@ -186,8 +184,8 @@ def table(results: dict[str, dict[int, dict | None]]) -> tuple[str, dict]:
                 for k in ("all", "sums", "multiarith"):
                     finals[k].append(f[k])
                 finals["reward_last5"].append(r["reward_last5"])
-        agg[arm] = {k: {"mean": (sum(v) / len(v)) if v else None,
-                        "std": (math.sqrt(sum((x - sum(v) / len(v)) ** 2 for x in v) / (len(v) - 1)) if len(v) > 1 else None),
+        agg[arm] = {k: {"mean": statistics.fmean(v) if v else None,
+                        "std": statistics.stdev(v) if len(v) > 1 else None,
                         "n": len(v)} for k, v in finals.items()}
     lines += ["", "| arm | seeds | held-out after, all (mean +- std) | sums | multiarith | reward, last 5 updates |",
               "|---|---|---|---|---|---|"]
@@ -234,7 +232,6 @@ def main() -> None:
         for item in list(running):
             arm, seed, proc = item
             if proc.poll() is not None:
-                proc.log.close()  # type: ignore[attr-defined]
                 running.remove(item)
                 print(f"done {arm}_s{seed}: exit {proc.returncode}", flush=True)
                 if proc.returncode != 0:

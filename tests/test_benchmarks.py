@@ -298,9 +298,7 @@ def test_gpu_benchmark_sdpa_no_cudnn(tmp_path):
     choice in the results' environment (the engine's cuDNN-plan hypothesis, docs/results/gpu.md)."""
     import torch
 
-    spec = importlib.util.spec_from_file_location("bench_gpu", Path(__file__).parents[1] / "benchmarks" / "gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _benchmark_module("gpu.py")
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:
         for choice, enabled in (("default", before), ("no_cudnn", False)):
@@ -464,11 +462,16 @@ def test_engine_scaling_benchmark_quick(quick):
     assert cluster["64"]["trajectories_per_s"] > cluster["8"]["trajectories_per_s"] > cluster["1"]["trajectories_per_s"]
 
 
-def _critic_benchmark():
-    spec = importlib.util.spec_from_file_location("bench_critic", Path(__file__).parents[1] / "benchmarks" / "critic.py")
+def _benchmark_module(script: str):
+    """``benchmarks/<script>`` imported as a module (its functions called in-process)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{Path(script).stem}", ROOT / "benchmarks" / script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _critic_benchmark():
+    return _benchmark_module("critic.py")
 
 
 def test_critic_benchmark_runs_the_chosen_rows_and_grpo(capsys):
@@ -483,13 +486,6 @@ def test_critic_benchmark_rejects_unknown_rows(rows, capsys):
     with pytest.raises(SystemExit) as e:
         _critic_benchmark().main(["--quick", "--rows", rows])
     assert e.value.code == 2 and "--rows" in capsys.readouterr().err
-
-
-def _critic_methods():
-    spec = importlib.util.spec_from_file_location("bench_cm", ROOT / "benchmarks" / "critic_methods.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_critic_methods_benchmark_quick(quick):
@@ -524,7 +520,7 @@ def test_critic_methods_benchmark_quick(quick):
 
 
 def test_critic_methods_arms_are_presets_plus_their_own_keys():
-    m = _critic_methods()
+    m = _benchmark_module("critic_methods.py")
     assert m.flatten({"a": {"b": 1, "c": {"d": None, "e": True}}, "f": [0, 1]}) == ["a.b=1", "a.c.d=null", "a.c.e=true", "f=[0, 1]"]
     full = m.arm_overrides("asyppo_full")
     assert "critic.num_critics=2" in full and full.index("critic.num_critics=1") > full.index("critic.num_critics=2")
