@@ -603,7 +603,7 @@ class VllmEngine(_RemoteEngine):
         path = write_weights(self.weight_dir / f"v{update.version}", update)
         t_write = time.perf_counter() - t0
         timeout = self.update_timeout
-        self._updating.set()
+        self._updating.set()  # before the epoch: generate() relies on this order (see there)
         self._epoch += 1
         t1 = time.perf_counter()
         try:
@@ -775,15 +775,21 @@ class VllmEngine(_RemoteEngine):
         with self._c_lock:
             self._counts["requests"] += 1
         while True:
-            while self._updating.is_set() and not self._stopped:  # the server is paused for an update
-                await asyncio.sleep(0.005)
+            while True:
+                while self._updating.is_set() and not self._stopped:  # the server is paused for an update
+                    await asyncio.sleep(0.005)
+                # an update sets _updating before it counts its epoch and pauses the server: an epoch
+                # read while _updating is still clear is older than any pause that can abort this
+                # segment, so that abort is seen (epoch changed) and the segment resubmitted
+                epoch = self._epoch
+                if not self._updating.is_set() or self._stopped:
+                    break
             self._check_open()
             remaining = budget - len(ids)
             if remaining <= 0:
                 reason = FINISH_LENGTH
                 break
             rid = key if segment == 0 else f"{key}-s{segment}"
-            epoch = self._epoch
             fallback = self._version
             self._inflight.add(rid)
             self._busy_enter()
