@@ -3,13 +3,16 @@
 # `math_python` (MAWPS singleop with the sandboxed Python tool). SAO (configs/sao.yaml) at the
 # 320-episode budget of docs/results/agents.md (4 critic warm-up steps + 16 updates of 16
 # episodes; held-out pass@1 after only), one seed per variant:
-#   base       configs/sao.yaml as is (token-mean loss: a failed episode's summed advantage ~ -V x length)
-#   seqmean    loss.aggregation=seq_mean_token_mean (each episode weighs the same, whatever its length)
-#   bounds     critic.value_bounds=[0,1] (the values clamped to the reward's range)
+#   base       the token-mean loss sao_experiments.sh pins (a failed episode's summed advantage ~ -V x length)
+#   seqmean    loss.aggregation=seq_mean_token_mean (each episode weighs the same, whatever its length;
+#              configs/sao.yaml's default since this experiment)
+#   bounds     critic.value_bounds=[0,1] (the values clamped to the reward's range), token-mean loss
 # Runs in docs/results/runs/critics/sao_length_<variant>_s<seed>/ (finished ones skipped), via
 # sao_experiments.sh (CONVEYOR_SRC= pins the code, as there). Needs bubblewrap. ~50 min a run on the
-# 2-core VM. The drift: per update agent/turns_mean, agent/tool_call_rate, response/length_mean,
-# advantage/length_corr and advantage/sum_unrewarded in each run's metrics.jsonl.
+# 2-core VM (about 15 GB of memory each: one at a time on a 24 GB machine). The drift: per update
+# agent/turns_mean, agent/tool_call_rate, response/length_mean, advantage/length_corr and
+# advantage/sum_unrewarded in each run's metrics.jsonl; a table by windows of updates:
+#   python scripts/length_table.py docs/results/runs/critics/sao_length_*_s0
 #   bash scripts/length_pressure.sh 0 "seqmean bounds base"
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -20,13 +20,14 @@ for seed in $SEEDS; do
       window) EXTRA="loss.advantage=sliding_window critic.warmup_steps=0" ;;
       *) echo "unknown variant $v" >&2; exit 2 ;;
     esac
+    # loss.aggregation=token_mean: the preset's before issue 45 section 4, which the documented runs used
     dir="$OUT/${v}_s${seed}"
     [ -f "$dir/summary.json" ] && { echo "skip $dir (done)"; continue; }
     rm -rf "$dir"
     git -C "${CONVEYOR_SRC:-.}" rev-parse HEAD > "$dir.commit"
     echo "== $v seed $seed -> $dir ($(date -u +%H:%M:%S))"
     PYTHONPATH=${CONVEYOR_SRC:+$CONVEYOR_SRC/src}${PYTHONPATH:+:$PYTHONPATH} .venv/bin/conveyor train \
-      configs/preference_shift.yaml run.seed=$seed data.shuffle_seed=$seed \
+      configs/preference_shift.yaml run.seed=$seed data.shuffle_seed=$seed loss.aggregation=token_mean \
       run.checkpoint_every=1000 run.final_checkpoint=none run.export=false run.progress=false \
       run.dir="$dir" $EXTRA > "$dir.log" 2>&1 || echo "FAILED $v seed $seed (see $dir.log)"
     rm -rf "$dir/checkpoints"

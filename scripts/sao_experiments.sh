@@ -4,8 +4,9 @@
 # runs spend 10 x 16 of them on the critic warm-up and take 40 policy updates, the group runs take
 # 50. Held-out accuracy (greedy, 110 problems) before, every 10 versions and after. Runs are
 # sequential (one 2-core machine: wall-clock comparable) and land in docs/results/runs/sao/. The runs so far
-# were made with the plain hand-out (async.wait_for_expiring=false, the default then): pinned so that
-# new runs stay comparable.
+# were made with the plain hand-out (async.wait_for_expiring=false, the default then) and the token-mean
+# loss (loss.aggregation=token_mean, the critic presets' before issue 45 section 4): both pinned so
+# that new runs stay comparable (an EXTRA key comes later and wins).
 #   bash scripts/sao_experiments.sh "0 1" "sao grpo grpo_dis"      # seeds, presets
 #   bash scripts/sao_experiments.sh 1 sao reward.overlong=soft     # extra overrides (name the run dir)
 # CONVEYOR_SRC=DIR imports conveyor from a pinned checkout DIR (git worktree add --detach DIR REV) and
@@ -31,7 +32,7 @@ for seed in $SEEDS; do
     echo "== $p seed $seed -> $dir ($(date -u +%H:%M:%S))"
     PYTHONPATH=${CONVEYOR_SRC:+$CONVEYOR_SRC/src}${PYTHONPATH:+:$PYTHONPATH} .venv/bin/conveyor train "configs/$p.yaml" trainer.total_steps=$steps run.seed=$seed data.shuffle_seed=$seed \
       run.eval_every=10 run.checkpoint_every=1000 run.final_checkpoint=none run.export=false run.progress=false \
-      async.wait_for_expiring=false run.dir="$dir" $EXTRA > "$dir.log" 2>&1 || echo "FAILED $p seed $seed (see $dir.log)"
+      async.wait_for_expiring=false loss.aggregation=token_mean run.dir="$dir" $EXTRA > "$dir.log" 2>&1 || echo "FAILED $p seed $seed (see $dir.log)"
     rm -rf "$dir/checkpoints"
     mv "$dir.log" "$dir/console.log" 2>/dev/null || true
     mv "$dir.commit" "$dir/conveyor_commit.txt" 2>/dev/null || true
