@@ -295,9 +295,9 @@ def test_every_token_has_the_log_prob_of_its_stamped_version(vllm_server, tiny_m
     the update landed, 3 attempts in a row. So the snapshot is taken before generation starts, and 4
     client streams of unequal lengths keep the server busy until the update has returned: each stream
     submits its next request as soon as one ends, so the pause finds requests running whatever the
-    write costs. An
-    attempt with no request across the update (all 4 streams between two requests at that instant)
-    is repeated with the next version; the checks hold on the first attempt with one."""
+    write costs. An attempt with no request across the update (all 4 streams between two requests
+    at that instant) is repeated with the next version; the checks hold on the first attempt with
+    one."""
     tok, v0, v1 = tiny_models
     eng = VllmEngine(vllm_server.url, tokenizer=tok, version=0, weight_dir=tmp_path / "w")
     eng.start()
