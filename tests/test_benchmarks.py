@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._scripts import load_script
+
 HAS_PEFT = importlib.util.find_spec("peft") is not None
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -464,19 +466,12 @@ def test_engine_scaling_benchmark_quick(quick):
 
 def _benchmark_module(script: str):
     """``benchmarks/<script>`` imported as a module (its functions called in-process)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{Path(script).stem}", ROOT / "benchmarks" / script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _critic_benchmark():
-    return _benchmark_module("critic.py")
+    return load_script(f"benchmarks/{script}")
 
 
 def test_critic_benchmark_runs_the_chosen_rows_and_grpo(capsys):
     """``--rows 4``: the GRPO reference row and row 4 (values from the first critic update), nothing else."""
-    r = _critic_benchmark().main(["--quick", "--rows", "4"])
+    r = _benchmark_module("critic.py").main(["--quick", "--rows", "4"])
     assert [row["name"] for row in r["rows"]] == ["grpo", "sao, values from the first update"]
     assert r["rows"][1]["ratio_seconds"] == pytest.approx(r["rows"][1]["seconds"] / r["rows"][0]["seconds"])
 
@@ -484,7 +479,7 @@ def test_critic_benchmark_runs_the_chosen_rows_and_grpo(capsys):
 @pytest.mark.parametrize("rows", ["99", "0", "three", "3,x"])
 def test_critic_benchmark_rejects_unknown_rows(rows, capsys):
     with pytest.raises(SystemExit) as e:
-        _critic_benchmark().main(["--quick", "--rows", rows])
+        _benchmark_module("critic.py").main(["--quick", "--rows", rows])
     assert e.value.code == 2 and "--rows" in capsys.readouterr().err
 
 

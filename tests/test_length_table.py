@@ -3,21 +3,16 @@ section 4, docs/results/critics.md)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests._scripts import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("length_table", ROOT / "scripts" / "length_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/length_table.py")
 
 
 def test_window_means_by_hand():

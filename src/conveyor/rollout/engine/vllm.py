@@ -775,15 +775,14 @@ class VllmEngine(_RemoteEngine):
         with self._c_lock:
             self._counts["requests"] += 1
         while True:
+            # wait out an update's pause; it sets _updating before it counts its epoch and pauses the
+            # server, so an epoch read before _updating is seen clear is older than any pause that can
+            # abort this segment: that abort is seen (epoch changed) and the segment resubmitted
             while True:
-                while self._updating.is_set() and not self._stopped:  # the server is paused for an update
-                    await asyncio.sleep(0.005)
-                # an update sets _updating before it counts its epoch and pauses the server: an epoch
-                # read while _updating is still clear is older than any pause that can abort this
-                # segment, so that abort is seen (epoch changed) and the segment resubmitted
                 epoch = self._epoch
                 if not self._updating.is_set() or self._stopped:
                     break
+                await asyncio.sleep(0.005)
             self._check_open()
             remaining = budget - len(ids)
             if remaining <= 0:
